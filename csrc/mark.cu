@@ -1,0 +1,100 @@
+// kj_mark, CUDA: an identity op on one buffer that also publishes a per-step
+// sequence number into a mapped host slot, in stream order.
+//
+// Everything is enqueued on XLA's stream; nothing here synchronizes. When the
+// output aliases the input (the normal case, see kernjax/ffi.py: mark) no
+// bytes move; otherwise a device-to-device cudaMemcpyAsync copies them. If a
+// slot is given, a one-thread kernel fences (__threadfence_system) and then
+// writes seq into it, so a host thread that polls the slot and sees seq knows
+// that all work enqueued before this op on the stream has completed.
+//
+// The slot must be pinned host memory mapped into the device address space
+// (cudaHostAlloc(..., cudaHostAllocMapped) or cudaHostRegister(...,
+// cudaHostRegisterMapped)). Under UVA the device pointer equals the host
+// pointer; we still ask the runtime for the device pointer, and reject
+// pointers it does not know about rather than faulting in the kernel.
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+__global__ void PublishSeqKernel(const int32_t* seq, volatile int32_t* slot) {
+  int32_t value = *seq;
+  __threadfence_system();
+  *slot = value;
+}
+
+ffi::Error CudaError(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("kj_mark (cuda): ") + what + ": " +
+                              cudaGetErrorName(err) + ": " +
+                              cudaGetErrorString(err));
+}
+
+// Enqueues the copy (if needed) and the slot write (if any) on `stream`.
+ffi::Error MarkCompute(cudaStream_t stream, const void* src, void* dst,
+                       size_t bytes, const int32_t* seq, uint64_t slot) {
+  if (dst != src && bytes > 0) {
+    cudaError_t err =
+        cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream);
+    if (err != cudaSuccess) return CudaError("cudaMemcpyAsync", err);
+  }
+  if (slot != 0) {
+    void* host = reinterpret_cast<void*>(slot);
+    cudaPointerAttributes attr;
+    cudaError_t err = cudaPointerGetAttributes(&attr, host);
+    if (err != cudaSuccess) return CudaError("cudaPointerGetAttributes", err);
+    if ((attr.type != cudaMemoryTypeHost &&
+         attr.type != cudaMemoryTypeManaged) ||
+        attr.devicePointer == nullptr) {
+      return ffi::Error::InvalidArgument(
+          "kj_mark (cuda): slot must be pinned host memory mapped into the "
+          "device (cudaHostAlloc with cudaHostAllocMapped)");
+    }
+    PublishSeqKernel<<<1, 1, 0, stream>>>(
+        seq, static_cast<volatile int32_t*>(attr.devicePointer));
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return CudaError("launch", err);
+  return ffi::Error::Success();
+}
+
+ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::S32> seq, uint64_t slot,
+                    ffi::Result<ffi::AnyBuffer> y) {
+  if (y->element_type() != x.element_type() ||
+      y->size_bytes() != x.size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "kj_mark: output must have the same dtype and size as the input");
+  }
+  if (seq.element_count() != 1) {
+    return ffi::Error::InvalidArgument(
+        "kj_mark: seq must have exactly one int32 element, got " +
+        std::to_string(seq.element_count()));
+  }
+  if (slot % alignof(int32_t) != 0) {
+    return ffi::Error::InvalidArgument(
+        "kj_mark: slot address must be 4-byte aligned");
+  }
+  return MarkCompute(stream, x.untyped_data(), y->untyped_data(),
+                     x.size_bytes(), seq.typed_data(), slot);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    KjMarkCuda, MarkImpl,
+    ffi::Ffi::Bind()
+        .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's compute stream
+        .Arg<ffi::AnyBuffer>()                     // x
+        .Arg<ffi::Buffer<ffi::S32>>()              // seq (device, 1 element)
+        .Attr<uint64_t>("slot")                    // mapped host slot address
+        .Ret<ffi::AnyBuffer>()                     // y (aliases x)
+);

@@ -1,0 +1,132 @@
+// pybind11 module kernjax._ffi: hands XLA FFI handler symbols to Python.
+//
+// registrations() returns {"cpu": {name: capsule}, "cuda": {name: capsule}};
+// kernjax/ffi.py registers each capsule with jax.ffi.register_ffi_target. The
+// "cuda" dict is empty unless the extension was built with nvcc (setup.py then
+// defines KERNJAX_CUDA). KERNJAX_JAX_VERSION is the jax version the extension
+// was built against; the FFI ABI is only promised for that version.
+//
+// host_alloc/host_free give out zeroed host memory for slots that ops write
+// (mark's `slot`): plain aligned memory, or with mapped=True pinned memory
+// mapped into every device (what the CUDA handlers need). Nothing here touches
+// a GPU at import; CUDA is first used when something asks for it.
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+
+#ifdef KERNJAX_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include <pybind11/pybind11.h>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace py = pybind11;
+
+#ifndef KERNJAX_JAX_VERSION
+#define KERNJAX_JAX_VERSION "unknown"
+#endif
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCpu);  // mark.cc
+#ifdef KERNJAX_CUDA
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCuda);  // mark.cu
+#endif
+
+namespace {
+
+template <typename T>
+py::capsule Encapsulate(T* fn) {
+  return py::capsule(reinterpret_cast<void*>(fn));
+}
+
+// Zeroed host memory, 64-byte aligned; pinned and mapped into every device's
+// address space when `mapped` (needs the CUDA build and a GPU).
+uintptr_t HostAlloc(size_t nbytes, bool mapped) {
+  size_t size = (nbytes + 63) / 64 * 64;
+  if (size == 0) size = 64;
+  void* ptr = nullptr;
+  if (mapped) {
+#ifdef KERNJAX_CUDA
+    cudaError_t err = cudaHostAlloc(
+        &ptr, size, cudaHostAllocMapped | cudaHostAllocPortable);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("cudaHostAlloc: ") +
+                               cudaGetErrorName(err) + ": " +
+                               cudaGetErrorString(err));
+    }
+#else
+    throw std::runtime_error(
+        "mapped host memory needs kernjax._ffi built with CUDA (nvcc)");
+#endif
+  } else {
+    ptr = std::aligned_alloc(64, size);
+    if (ptr == nullptr) throw std::bad_alloc();
+  }
+  std::memset(ptr, 0, size);
+  return reinterpret_cast<uintptr_t>(ptr);
+}
+
+void HostFree(uintptr_t addr, bool mapped) {
+  void* ptr = reinterpret_cast<void*>(addr);
+  if (ptr == nullptr) return;
+  if (mapped) {
+#ifdef KERNJAX_CUDA
+    cudaError_t err = cudaFreeHost(ptr);
+    if (err != cudaSuccess) {
+      throw std::runtime_error(std::string("cudaFreeHost: ") +
+                               cudaGetErrorName(err));
+    }
+#else
+    throw std::runtime_error("mapped host memory needs the CUDA build");
+#endif
+  } else {
+    std::free(ptr);
+  }
+}
+
+constexpr bool kHasCuda =
+#ifdef KERNJAX_CUDA
+    true;
+#else
+    false;
+#endif
+
+}  // namespace
+
+PYBIND11_MODULE(_ffi, m) {
+  m.doc() = "kernjax XLA FFI handlers (see kernjax/ffi.py)";
+
+  m.def(
+      "registrations",
+      []() {
+        py::dict cpu;
+        cpu["kj_mark"] = Encapsulate(KjMarkCpu);
+        py::dict cuda;
+#ifdef KERNJAX_CUDA
+        cuda["kj_mark"] = Encapsulate(KjMarkCuda);
+#endif
+        py::dict out;
+        out["cpu"] = cpu;
+        out["cuda"] = cuda;
+        return out;
+      },
+      "{'cpu': {name: capsule}, 'cuda': {name: capsule}} of FFI handlers.");
+
+  m.def(
+      "has_cuda", []() { return kHasCuda; },
+      "True if the CUDA handlers were compiled in.");
+
+  m.def("host_alloc", &HostAlloc, py::arg("nbytes"), py::arg("mapped") = false,
+        "Address of `nbytes` of zeroed, 64-byte aligned host memory; pinned "
+        "and mapped into the devices when mapped=True. Free with host_free.");
+  m.def("host_free", &HostFree, py::arg("addr"), py::arg("mapped") = false,
+        "Frees memory from host_alloc, with the same `mapped`.");
+
+  m.def(
+      "jax_version", []() { return std::string(KERNJAX_JAX_VERSION); },
+      "The jax version this extension was built against.");
+}

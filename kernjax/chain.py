@@ -1,0 +1,70 @@
+"""The chain gate: the whole program and a cut's stages on the same prompts, compared bitwise.
+
+Both run every prompt chunk by chunk; after every chunk the last stage's `logits` and `tokens`
+must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kernjax.run import Pipeline
+
+
+def differing_bytes(a, b) -> int:
+    x, y = np.asarray(a), np.asarray(b)
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return max(x.nbytes, y.nbytes)
+    xb, yb = x.view(np.uint8), y.view(np.uint8)
+    return int(np.count_nonzero(xb != yb))
+
+
+def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *, chunk: int,
+          say: Callable[[str], None] = print) -> bool:
+    """Runs every prompt through both; says one line per prompt; True when all are identical."""
+    ok = True
+    for n, prompt in enumerate(prompts):
+        whole.reset()
+        split.reset()
+        diff = chunks = 0
+        first = None
+        for w, s in zip(whole.prefill(prompt, chunk=chunk), split.prefill(prompt, chunk=chunk)):
+            chunks += 1
+            d = sum(differing_bytes(w[k], s[k]) for k in ("logits", "next_token"))
+            if d and first is None:
+                first = chunks
+            diff += d
+        line = f"prompt {n}: {len(prompt)} tokens, {chunks} chunks: "
+        if diff:
+            ok = False
+            say(line + f"DIFFERENT ({diff} bytes differ, first at chunk {first})")
+        else:
+            say(line + "IDENTICAL")
+    say(f"PASS: {len(prompts)} prompts bitwise identical" if ok else
+        f"FAIL: the stages differ from the whole program on some of {len(prompts)} prompts")
+    return ok
+
+
+def read_prompts(path) -> list[list[int]]:
+    """One prompt per non-empty line, token ids separated by whitespace."""
+    out = []
+    with open(path) as f:
+        for k, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append([int(t) for t in line.split()])
+            except ValueError as e:
+                raise ValueError(f"{path}:{k}: a prompt line holds token ids separated by "
+                                 f"spaces ({e})") from e
+    if not out:
+        raise ValueError(f"{path} holds no prompt")
+    return out
+
+
+if __name__ == "__main__":
+    from kernjax import cli
+
+    cli.run(cli.chain_main)

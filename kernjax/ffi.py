@@ -1,0 +1,172 @@
+"""kernjax's custom ops, as XLA FFI handlers.
+
+Every custom op is a typed XLA FFI handler written in C++ (csrc/*.cc) or CUDA
+(csrc/*.cu) and compiled into one pybind11 extension, `kernjax._ffi`. Its
+`registrations()` returns `{"cpu": {name: capsule}, "cuda": {name: capsule}}`;
+this module registers the cpu handlers with jax.ffi.register_ffi_target, and the
+cuda ones too when the extension was built with nvcc (setup.py; the "cuda" dict
+is otherwise empty). Registration happens at import when the extension is
+usable; `register()` does it on demand, is idempotent, and raises
+`ExtensionError` when the extension is missing or was built against another
+jax, since the FFI ABI is only promised for the jax version it was built with.
+
+Each op has a Python wrapper that checks dtypes and shapes up front, with
+messages that name the argument, then calls jax.ffi.ffi_call; next to it is a
+pure-JAX reference (`<op>_reference`) with the same signature, which tests
+compare against bitwise and which documents what the op computes.
+
+Values that change from step to step (sequence numbers, positions, lengths) are
+operands, never attributes: attributes are baked into the compiled executable,
+so a per-step attribute would recompile every step. Attributes hold only what
+is fixed for the life of a program, such as a host slot's address.
+
+`mark` is the first op: an identity on one buffer that also publishes a
+per-step sequence number into a host slot, so a host thread can see how far a
+stage has run without synchronizing. Slot memory comes from
+`kernjax._ffi.host_alloc(nbytes, mapped=...)` (mapped=True gives pinned host
+memory the GPU can write, as the CUDA handler needs) and goes back through
+`host_free`; a CPU-only run may also use any aligned numpy array.
+
+Later ops (hold, push, recv, FlashKDA, MXFP4 matmuls) slot in the same way:
+handlers in csrc/, an entry in csrc/module.cc's registrations(), and a checked
+wrapper plus reference here.
+"""
+
+from __future__ import annotations
+
+import importlib
+import operator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
+           "mark_reference"]
+
+_REBUILD = "rebuild it with `pip install --no-build-isolation -e .`"
+
+# jax platform name for each key of _ffi.registrations().
+_PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
+
+_registered = False
+
+
+class ExtensionError(RuntimeError):
+    """The compiled extension kernjax._ffi is missing or unusable."""
+
+
+def _extension():
+    """The kernjax._ffi module, checked against the running jax."""
+    try:
+        ext = importlib.import_module("kernjax._ffi")
+    except ImportError as e:
+        raise ExtensionError(
+            f"the kernjax._ffi extension could not be imported ({e}); {_REBUILD}"
+        ) from e
+    built = ext.jax_version()
+    if built != jax.__version__:
+        raise ExtensionError(
+            f"kernjax._ffi was built against jax {built} but jax "
+            f"{jax.__version__} is running; {_REBUILD}")
+    return ext
+
+
+def available() -> bool:
+    """Whether the extension imports and was built for the running jax."""
+    try:
+        _extension()
+    except ExtensionError:
+        return False
+    return True
+
+
+def register() -> None:
+    """Registers every FFI target of kernjax._ffi with jax. Idempotent."""
+    global _registered
+    if _registered:
+        return
+    ext = _extension()
+    for key, targets in ext.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[key])
+    _registered = True
+
+
+def has_cuda() -> bool:
+    """Whether the extension has its CUDA handlers compiled in."""
+    return _extension().has_cuda()
+
+
+def _check_seq(seq):
+    """`seq` as a 1-element int32 array; a Python int is accepted."""
+    if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool):
+        if not np.iinfo(np.int32).min <= int(seq) <= np.iinfo(np.int32).max:
+            raise ValueError(f"mark: seq={int(seq)} does not fit in int32")
+        seq = np.asarray(seq, np.int32)
+    dtype = getattr(seq, "dtype", None)
+    if dtype != np.int32:
+        raise TypeError(
+            f"mark: seq must be an int32 array with one element (a per-step "
+            f"operand), got {'dtype ' + str(dtype) if dtype is not None else type(seq).__name__}")
+    if int(np.prod(np.shape(seq), dtype=np.int64)) != 1:
+        raise ValueError(
+            f"mark: seq must have exactly one element, got shape {np.shape(seq)}")
+    return jnp.reshape(seq, (1,))
+
+
+def _check_slot(slot) -> np.uint64:
+    if isinstance(slot, jax.core.Tracer):
+        raise TypeError("mark: slot is an address fixed at trace time and must "
+                        "be a Python int, not a traced value")
+    try:
+        slot = operator.index(slot)
+    except TypeError:
+        raise TypeError(f"mark: slot must be an int address, got "
+                        f"{type(slot).__name__}") from None
+    if not 0 <= slot < 2**64:
+        raise ValueError(f"mark: slot={slot} is not a 64-bit address")
+    if slot % 4:
+        raise ValueError(f"mark: slot={slot:#x} must be 4-byte aligned")
+    return np.uint64(slot)
+
+
+def mark(x, seq, *, slot: int = 0):
+    """Returns `x` unchanged and, when it runs, writes `seq` into `slot`.
+
+    x: any array; the output aliases it (input_output_aliases={0: 0}), so no
+      copy is made when XLA can reuse the buffer.
+    seq: the step's sequence number, an int32 array with one element (or a
+      Python int). An operand, so it may change every step without recompiling.
+    slot: address of an int32 host slot that receives `seq`, or 0 for none.
+      On CPU any writable, aligned host memory will do; on GPU it must be
+      pinned host memory mapped into the device (cudaHostAlloc with
+      cudaHostAllocMapped). The caller keeps it alive while programs that
+      use it may run.
+
+    The op has a side effect, so XLA never removes or deduplicates it. It is
+    not differentiable and has no batching rule.
+    """
+    x = jnp.asarray(x)
+    seq = _check_seq(seq)
+    slot = _check_slot(slot)
+    register()
+    call = jax.ffi.ffi_call(
+        "kj_mark",
+        jax.ShapeDtypeStruct(x.shape, x.dtype),
+        has_side_effect=True,
+        input_output_aliases={0: 0},
+    )
+    return call(x, seq, slot=slot)
+
+
+def mark_reference(x, seq):
+    """The JAX reference for `mark`: the identity on `x` (`seq` is checked)."""
+    _check_seq(seq)
+    return jnp.asarray(x)
+
+
+try:
+    register()
+except ExtensionError:
+    pass  # mark() and register() raise it again, with the same message.

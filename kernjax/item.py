@@ -1,0 +1,88 @@
+"""Items: the fills and tables one run of a program takes, built from sequence pieces.
+
+An item holds pieces of up to `seqs` sequences in `rows` rows, packed from row 0 and split by
+`cu_seqlens`; the rest is padding. Every stage of a cut gets the same item; each takes the fills
+and tables its own calls read. Pure: arrays in, arrays out.
+
+  tokens      [rows]     the piece's token ids (0 in padding)
+  positions   [rows]     each row's position in its sequence (0 in padding)
+  slots       [rows]     where a row's keys and values go: `page * page_size + offset`;
+                         padding gets `pages * page_size`, one past the end, so it writes nothing
+  cu_seqlens  [seqs+1]   row offsets of the pieces; unused sequences are empty
+  page_table  [seqs, w]  each sequence's pages in order; unused entries are page 0, never leased
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows `start..start+len(tokens)` of one sequence, whose pages are `pages`."""
+
+    tokens: np.ndarray
+    start: int
+    pages: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What an item must fit: rows, sequences, page-table width, pages per state, page size."""
+
+    rows: int
+    seqs: int
+    width: int
+    pages: int
+    page: int
+
+    @property
+    def context(self) -> int:
+        return self.width * self.page
+
+
+def item_shape(program, page: int) -> Shape:
+    """The item shape a traced program takes, read off its fills, tables and states."""
+    by = {s.name: s for s in program.inputs}
+    state = next((s for s in program.inputs if s.role == "state"), None)
+    return Shape(rows=program.rows, seqs=by["cu_seqlens"].shape[0] - 1,
+                 width=by["page_table"].shape[1], pages=state.shape[0] if state else 0, page=page)
+
+
+def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
+    """The fills and tables of one item holding `pieces`, in order."""
+    rows, n = shape.rows, sum(len(p.tokens) for p in pieces)
+    if n > rows or len(pieces) > shape.seqs:
+        raise ValueError(f"{len(pieces)} pieces of {n} rows do not fit an item of {rows} rows "
+                         f"and {shape.seqs} sequences")
+    tokens = np.zeros(rows, np.int32)
+    positions = np.zeros(rows, np.int32)
+    slots = np.full(rows, shape.pages * shape.page, np.int32)
+    cu = np.full(shape.seqs + 1, n, np.int32)
+    table = np.zeros((shape.seqs, shape.width), np.int32)
+    at = 0
+    for i, p in enumerate(pieces):
+        k, end = len(p.tokens), p.start + len(p.tokens)
+        if end > shape.context:
+            raise ValueError(f"a sequence reaches position {end}; the program's context is "
+                             f"{shape.context} tokens")
+        if len(p.pages) * shape.page < end:
+            raise ValueError(f"a sequence at position {end} has only {len(p.pages)} pages")
+        pos = np.arange(p.start, end, dtype=np.int32)
+        pages = np.asarray(p.pages, np.int32)
+        cu[i] = at
+        tokens[at:at + k] = p.tokens
+        positions[at:at + k] = pos
+        slots[at:at + k] = pages[pos // shape.page] * shape.page + pos % shape.page
+        table[i, :len(pages)] = pages
+        at += k
+    return {"tokens": tokens, "positions": positions, "slots": slots, "cu_seqlens": cu,
+            "page_table": table}
+
+
+def chunks(n: int, rows: int) -> list[tuple[int, int]]:
+    """`(start, end)` of each chunk of a prompt of `n` tokens, `rows` at a time."""
+    return [(a, min(a + rows, n)) for a in range(0, n, rows)]

@@ -1,0 +1,130 @@
+"""The device side: a stage artifact loaded, its weights bound by name, its states owned.
+
+`Runner` jits the artifact's exported program once, with the states donated so their updates
+happen in place, puts the kept weights on the device, allocates the states (zeros) and runs items:
+fills and tables from the item, arrivals from the stage before, departures to the stage after.
+Before anything compiles it checks the weights against the manifest, tensor by tensor.
+
+The XLA flags that keep compilation deterministic are set when kernjax is imported
+(`kernjax/__init__.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from kernjax import stage as artifacts
+from kernjax import weights as ckpts
+
+
+class StageError(RuntimeError):
+    """A running stage got input it cannot use; names the stage and the slot."""
+
+
+def checkpoint_dir(ref: dict) -> Path:
+    """The directory a manifest's checkpoint reference names (made first, for random weights)."""
+    if "dir" in ref:
+        return Path(ref["dir"])
+    return ckpts.random_checkpoint(ref["model"], seed=ref["seed"], dtype=ref["dtype"])
+
+
+def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = None) -> dict:
+    """The artifact's weights from `ckpt`, cast to its dtype; `cache` shares tensors between stages."""
+    want = [(s.name, s.shape, s.dtype) for s in art.inputs if s.role == "weight"]
+    cache = {} if cache is None else cache
+    miss = [w for w in want if (str(ckpt), w[0], w[2]) not in cache]
+    tied = art.manifest["model"].get("tied")
+    got = ckpts.load(ckpt, miss, tied=tied) if miss else {}
+    for name, _, dtype in miss:
+        cache[(str(ckpt), name, dtype)] = got[name]
+    return {name: cache[(str(ckpt), name, dtype)] for name, _, dtype in want}
+
+
+class Runner:
+    """One stage on one device: bound weights, owned states, one jitted program."""
+
+    def __init__(self, art: artifacts.Artifact, weights: Mapping[str, np.ndarray], *,
+                 device: jax.Device | None = None):
+        self.art = art
+        self.device = device or jax.devices()[0]
+        errs = []
+        for s in art.inputs:
+            if s.role != "weight":
+                continue
+            w = weights.get(s.name)
+            if w is None:
+                errs.append(f"weight `{s.name}` is not bound")
+            elif tuple(w.shape) != s.shape or str(w.dtype) != s.dtype:
+                errs.append(f"weight `{s.name}` is {w.dtype}{list(w.shape)}; the stage expects "
+                            f"{s.dtype}{list(s.shape)}")
+        if errs:
+            raise StageError(f"stage {art.index} (`{art.path}`) cannot bind its weights:\n"
+                             + "\n".join(f"  - {e}" for e in errs))
+        self.weights = {s.name: jax.device_put(weights[s.name], self.device)
+                        for s in art.inputs if s.role == "weight"}
+        self.states = {}
+        self.reset()
+        donate = tuple(i for i, s in enumerate(art.inputs) if s.role == "state")
+        self.fn = jax.jit(art.exported.call, donate_argnums=donate)
+        self.needs = [s for s in art.inputs if s.role in ("fill", "table")]
+
+    def reset(self) -> None:
+        """Zeroes every state."""
+        for s in self.art.inputs:
+            if s.role == "state":
+                self.states[s.name] = jax.device_put(np.zeros(s.shape, ckpts.np_dtype(s.dtype)),
+                                                     self.device)
+
+    def run(self, item: Mapping[str, np.ndarray], arrivals: Sequence[jax.Array] = ()
+            ) -> tuple[list[jax.Array], dict[str, jax.Array]]:
+        """Runs one item; returns the departures and the non-state outputs by name."""
+        art = self.art
+        if len(arrivals) != len(art.arrivals):
+            raise StageError(f"stage {art.index} takes {len(art.arrivals)} arrivals, got "
+                             f"{len(arrivals)}")
+        args = []
+        for s in art.inputs:
+            if s.role == "weight":
+                args.append(self.weights[s.name])
+            elif s.role == "state":
+                args.append(self.states[s.name])
+            else:
+                x = item.get(s.name)
+                if x is None:
+                    raise StageError(f"stage {art.index}: the item has no `{s.name}`")
+                if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
+                    raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
+                                     f" the program takes {s.dtype}{list(s.shape)}")
+                args.append(x)
+        out = self.fn(*args, *arrivals)
+        nd = len(art.departures)
+        outputs = {}
+        for s, v in zip(art.outputs, out[nd:]):
+            if s.role == "state":
+                self.states[s.name] = v
+            else:
+                outputs[s.name] = v
+        return list(out[:nd]), outputs
+
+
+def open_stage(path: str | Path, *, weights: str | Path | None = None, dtype: str | None = None,
+               cache: dict | None = None) -> Runner:
+    """Reads, verifies and loads a stage directory.
+
+    Args:
+      path: the stage directory.
+      weights: a checkpoint directory overriding the one the artifact records.
+      dtype: refused unless it is the artifact's dtype (the dtype is compiled in).
+      cache: shared between stages of one process so a tensor is read once.
+    """
+    art = artifacts.read(path)
+    if dtype and dtype != art.dtype:
+        raise artifacts.ArtifactError(
+            f"--dtype {dtype} contradicts `{path}`, which was cut for {art.dtype}; "
+            f"drop --dtype or re-cut with --dtype {dtype}")
+    ckpt = Path(weights) if weights else checkpoint_dir(art.manifest["checkpoint"])
+    return Runner(art, load_weights(art, ckpt, cache=cache))

@@ -1,0 +1,153 @@
+"""Stage artifacts: one directory per stage, `manifest.json` plus the stage's exported program.
+
+`write` serializes a `Stage` with `jax.export` (StableHLO; FFI targets are registered by the
+runtime before loading) and a manifest holding everything `kernjax.cut` prints, each kept
+weight's checkpoint name, dtype and shape, the cut `{id, stage, stages}` and the checkpoint the
+stage binds. The uncut program is the same artifact with one stage (`whole/`).
+
+`read` verifies the artifact before anything runs: the format, the jax version that exported it
+and the program's hash. The runtime then checks the weights against the manifest, and stages
+refuse a peer with another cut id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import jax
+import jax.extend.core as jex
+from jax import export
+
+from kernjax.cut import Stage
+from kernjax.item import Shape
+from kernjax.trace import Slot
+
+FORMAT = 1
+PROGRAM = "program.jaxexport"
+
+
+class ArtifactError(ValueError):
+    """A stage directory that cannot be used as it is; the message says what to redo."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """A verified stage directory: its manifest, slots and deserialized program."""
+
+    path: Path
+    manifest: dict
+    inputs: tuple[Slot, ...]
+    arrivals: tuple[Slot, ...]
+    departures: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
+    exported: export.Exported
+
+    @property
+    def index(self) -> int:
+        return self.manifest["cut"]["stage"]
+
+    @property
+    def stages(self) -> int:
+        return self.manifest["cut"]["stages"]
+
+    @property
+    def cut_id(self) -> str:
+        return self.manifest["cut"]["id"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def rows(self) -> int:
+        return self.manifest["rows"]
+
+    @property
+    def item(self) -> Shape:
+        """The shape of the items every stage of this cut takes."""
+        return Shape(**self.manifest["item"])
+
+
+def _slots(xs) -> list[dict]:
+    return [{"name": s.name, "role": s.role, "dtype": s.dtype, "shape": list(s.shape)} for s in xs]
+
+
+def _unslots(xs) -> tuple[Slot, ...]:
+    return tuple(Slot(d["name"], d["role"], d["dtype"], tuple(d["shape"])) for d in xs)
+
+
+def export_stage(stage: Stage) -> export.Exported:
+    """The stage's jaxpr exported for this platform's devices."""
+    fn = jax.jit(jex.jaxpr_as_fun(stage.jaxpr))
+    specs = [s.spec() for s in (*stage.inputs, *stage.arrivals)]
+    return export.export(fn, platforms=[export.default_export_platform()])(*specs)
+
+
+def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,
+             program_sha256: str) -> dict:
+    """The stage's manifest: what it runs, binds, receives and sends, and which cut it belongs to."""
+    return {
+        "format": FORMAT,
+        "jax": jax.__version__,
+        "cut": {"id": stage.cut_id, "stage": stage.index, "stages": stage.stages,
+                "points": list(stage.points)},
+        "model": model,
+        "checkpoint": checkpoint,
+        "dtype": dtype,
+        "rows": stage.rows,
+        "item": dataclasses.asdict(item),
+        "calls": {"first": stage.first, "end": stage.end, "names": list(stage.calls)},
+        "inputs": _slots(stage.inputs),
+        "arrivals": _slots(stage.arrivals),
+        "departures": _slots(stage.departures),
+        "forwarded": list(stage.forwarded),
+        "outputs": _slots(stage.outputs),
+        "program": {"file": PROGRAM, "sha256": program_sha256, "platform": export.default_export_platform()},
+    }
+
+
+def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
+    """Writes the stage's artifact directory; `meta` is `model`, `checkpoint`, `dtype`, `item`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    blob = bytes(export_stage(stage).serialize())
+    (path / PROGRAM).write_bytes(blob)
+    m = manifest(stage, program_sha256=hashlib.sha256(blob).hexdigest(), **meta)
+    (path / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
+    return path
+
+
+def read(path: str | os.PathLike) -> Artifact:
+    """Reads and verifies a stage directory.
+
+    Raises:
+      ArtifactError: naming the field that does not match and what to do.
+    """
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        raise ArtifactError(f"`{path}` has no manifest.json; make stage directories with "
+                            "`python -m kernjax.cut`")
+    try:
+        m = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"`{mpath}` is not valid JSON ({e}); re-run `kernjax.cut`") from e
+    if m.get("format") != FORMAT:
+        raise ArtifactError(f"`{mpath}` has format {m.get('format')}; this kernjax reads format "
+                            f"{FORMAT}: re-run `kernjax.cut`")
+    if m["jax"] != jax.__version__:
+        raise ArtifactError(f"`{path}` was exported by jax {m['jax']}; this is jax "
+                            f"{jax.__version__}: re-run `kernjax.cut` with this jax")
+    if m["program"]["platform"] != export.default_export_platform():
+        raise ArtifactError(f"`{path}` was exported for `{m['program']['platform']}`; this process "
+                            f"runs on `{export.default_export_platform()}`: re-run `kernjax.cut` here")
+    blob = (path / m["program"]["file"]).read_bytes()
+    if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
+        raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
+                            "manifest; the artifact was changed or half-written: re-run `kernjax.cut`")
+    return Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
+                    _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob))

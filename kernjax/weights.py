@@ -1,0 +1,181 @@
+"""Checkpoints: Hugging Face safetensors loaded by tensor name, and deterministic random ones.
+
+A checkpoint is a directory with `config.json` and `model.safetensors` (or shards listed in
+`model.safetensors.index.json`). `load` reads only the tensors asked for, checks each one's shape,
+casts to the asked dtype and names every missing or mis-shaped tensor in one error. A tied
+`lm_head.weight` falls back to the embedding.
+
+Random weights are written in the same format (`python -m kernjax.weights random`), so every
+random run goes through the real loader. Each tensor draws from its own generator seeded by
+`(seed, crc32(name))`: the same name gives the same bytes whatever else the checkpoint holds.
+A named model's random checkpoint is made once into a cache directory (`$KERNJAX_CACHE`, default
+`~/.cache/kernjax`) and read from there after.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from kernjax import models
+
+SHARD_BYTES = 2 << 30
+
+
+class WeightError(ValueError):
+    """A checkpoint that cannot supply what a program binds; says which tensor and what to do."""
+
+
+def np_dtype(name: str) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
+
+
+def read_config(ckpt: str | os.PathLike):
+    """`(family module, config)` for a checkpoint directory, from its `config.json`."""
+    path = Path(ckpt) / "config.json"
+    if not path.is_file():
+        raise WeightError(f"`{ckpt}` has no config.json; pass a Hugging Face checkpoint directory")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise WeightError(f"`{path}` is not valid JSON ({e})") from None
+    fam = models.family(d.get("model_type", "?"))
+    return fam, fam.config_from_hf(d, name=d.get("_name", Path(ckpt).name))
+
+
+def _files(ckpt: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        wm = json.loads(index.read_text())["weight_map"]
+        return {k: ckpt / v for k, v in wm.items()}
+    single = ckpt / "model.safetensors"
+    if not single.is_file():
+        raise WeightError(f"`{ckpt}` has neither model.safetensors nor "
+                          "model.safetensors.index.json")
+    with safe_open(single, framework="numpy") as f:
+        return {k: single for k in f.keys()}
+
+
+def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str]], *,
+         tied: str | None = None, progress: bool = True) -> dict[str, np.ndarray]:
+    """Reads the tensors `want` (`(name, shape, dtype)`) from a checkpoint directory.
+
+    Args:
+      ckpt: the checkpoint directory.
+      want: each tensor's checkpoint name, expected shape and the dtype to cast it to.
+      tied: the tensor a missing `lm_head.weight` falls back to (tied embeddings).
+      progress: print progress to stderr for loads over 256 MiB.
+    """
+    ckpt = Path(ckpt)
+    where = _files(ckpt)
+    errs, plan = [], []
+    for name, shape, dtype in want:
+        src = name if name in where else (tied if name == "lm_head.weight" and tied in where else None)
+        if src is None:
+            errs.append(f"tensor `{name}` is missing from `{ckpt}`")
+        else:
+            plan.append((name, src, tuple(shape), dtype))
+    total = sum(int(np.prod(s)) * np_dtype(d).itemsize for _, _, s, d in plan)
+    out, done, t0, shown = {}, 0, time.time(), 0.0
+    handles = {}
+    try:
+        for name, src, shape, dtype in plan:
+            f = where[src]
+            try:
+                if f not in handles:
+                    handles[f] = safe_open(f, framework="numpy").__enter__()
+                got = tuple(handles[f].get_slice(src).get_shape())
+            except Exception as e:  # a missing shard, or an index naming the wrong file
+                errs.append(f"tensor `{src}` cannot be read from `{f.name}`: {e}")
+                continue
+            if got != shape:
+                errs.append(f"tensor `{src}` has shape {list(got)}; the model expects {list(shape)}")
+                continue
+            x = handles[f].get_tensor(src)
+            out[name] = x if x.dtype == np_dtype(dtype) else x.astype(np_dtype(dtype))
+            done += out[name].nbytes
+            now = time.time()
+            if progress and total > 256 << 20 and (now - shown > 2 or done == total):
+                shown = now
+                print(f"loading weights: {len(out)}/{len(plan)} tensors, {done / 2**30:.1f}/"
+                      f"{total / 2**30:.1f} GiB, {now - t0:.0f} s", file=sys.stderr, flush=True)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    if errs:
+        raise WeightError("checkpoint does not match the program:\n"
+                          + "\n".join(f"  - {e}" for e in errs))
+    return out
+
+
+def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
+                 progress: bool = True) -> Path:
+    """Writes the named model's deterministic random checkpoint (config.json + safetensors)."""
+    fam, cfg = models.named(name)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise WeightError(f"`{out}` is not empty; write a random checkpoint into a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    shapes = fam.weight_shapes(cfg)
+    total = sum(int(np.prod(s)) for _, s in shapes) * np_dtype(dtype).itemsize
+    shards, cur, size, t0 = [], {}, 0, time.time()
+    for i, (tname, shape) in enumerate(shapes):
+        rng = np.random.default_rng([seed, zlib.crc32(tname.encode())])
+        cur[tname] = fam.random_weight(tname, shape, rng).astype(np_dtype(dtype))
+        size += cur[tname].nbytes
+        if size >= SHARD_BYTES or i == len(shapes) - 1:
+            shards.append(cur)
+            cur, size = {}, 0
+        if progress and total > 256 << 20 and (i % 20 == 0 or i == len(shapes) - 1):
+            print(f"random weights: {i + 1}/{len(shapes)} tensors, {time.time() - t0:.0f} s",
+                  file=sys.stderr, flush=True)
+    if len(shards) == 1:
+        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
+    else:
+        wm = {}
+        for k, sh in enumerate(shards):
+            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(sh, out / fname, metadata={"format": "pt"})
+            wm.update(dict.fromkeys(sh, fname))
+        (out / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+    conf = {**fam.hf_config(cfg), "torch_dtype": dtype, "_name": name, "_seed": seed}
+    (out / "config.json").write_text(json.dumps(conf, indent=2))
+    return out
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KERNJAX_CACHE") or Path.home() / ".cache" / "kernjax")
+
+
+def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> Path:
+    """The cached random checkpoint of a named model, written on first use."""
+    _, cfg = models.named(name)
+    dtype = dtype or cfg.dtype
+    path = cache_dir() / "random" / f"{name}-seed{seed}-{dtype}"
+    if not (path / "config.json").is_file():
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        write_random(name, seed=seed, dtype=dtype, out=tmp)
+        try:
+            tmp.rename(path)
+        except OSError:  # another process made it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+if __name__ == "__main__":
+    from kernjax import cli
+
+    cli.run(cli.weights_main)

@@ -1,0 +1,36 @@
+"""Model families kernjax can trace, installed as `kernjax.models`. All model knowledge lives here.
+
+A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
+`weight_shapes(cfg)`, `random_weight(name, shape, rng)` and `program(cfg, *, dtype, rows, seqs,
+context, pages)`. kernjax reaches a family only through `family()` and `named()`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+# HF `model_type` -> module in this package.
+FAMILIES = {"qwen3": "qwen3"}
+
+
+def family(model_type: str) -> ModuleType:
+    """The family module for an HF `model_type`."""
+    if model_type not in FAMILIES:
+        raise ValueError(f"model_type `{model_type}` is not supported; kernjax knows "
+                         f"{sorted(FAMILIES)}")
+    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+
+
+def named(name: str):
+    """`(family module, config)` for a named model such as `qwen3-tiny`."""
+    for model_type in FAMILIES:
+        fam = family(model_type)
+        if name in fam.CONFIGS:
+            return fam, fam.CONFIGS[name]
+    known = sorted(n for t in FAMILIES for n in family(t).CONFIGS)
+    raise ValueError(f"unknown model `{name}`; known models: {', '.join(known)}")
+
+
+def names() -> list[str]:
+    return sorted(n for t in FAMILIES for n in family(t).CONFIGS)

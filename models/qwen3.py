@@ -1,0 +1,268 @@
+"""Qwen3 dense (HF `Qwen3ForCausalLM`) as a program of calls, in kern's layout.
+
+Calls: `embed`, `l0.input_norm`, then twelve per layer (`qkv_proj`, `q_norm`, `k_norm`, `rope`,
+`kv_write`, `attn`, `o_proj`, `post_attn_norm`, `gate_up`, `silu_mul`, `down_proj`,
+`next_input_norm`; the last layer's applies the final norm), then `lm_head` and `argmax`. Layer
+`i` starts at call `2 + 12 i`, so layer 18 of qwen3-4b starts at call 218, as in kern.
+
+One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequences, split by
+`cu_seqlens`; rows past `cu_seqlens[-1]` are padding. Each layer has its own paged KV state
+`kv.i` of `[pages, 16, 2, kv_heads, head_dim]`; `kv_write` stores the chunk's keys and values at
+`slots` (`page * 16 + offset`; an out-of-range slot drops a padding row), and `attn` reads every
+earlier chunk of a row's sequence through `page_table`, causal by position. Page 0 is never
+leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
+chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
+
+The math follows `modeling_qwen3.py`: RMSNorm in f32 cast back before the weight, q/k norms over
+head_dim before NeoX RoPE with cos/sin cast to the activation dtype, softmax in f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernjax.trace import Program, Slot, call, trace
+
+PAGE = 16
+# The tensor a tied checkpoint's missing `lm_head.weight` falls back to.
+TIED = "model.embed_tokens.weight"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    rope_theta: float = 1_000_000.0
+    eps: float = 1e-6
+    tied: bool = True
+    max_positions: int = 40960
+    dtype: str = "bfloat16"
+
+
+CONFIGS = {
+    "qwen3-4b": Config("qwen3-4b", layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128,
+                       intermediate=9728, vocab=151936),
+    "qwen3-0.6b": Config("qwen3-0.6b", layers=28, hidden=1024, heads=16, kv_heads=8, head_dim=128,
+                         intermediate=3072, vocab=151936),
+    # A few layers, head_dim 32 != hidden / heads = 16, GQA group 2, tied embeddings.
+    "qwen3-tiny": Config("qwen3-tiny", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=32,
+                         intermediate=128, vocab=512, rope_theta=10_000.0, max_positions=8192),
+}
+
+FILLS = ("tokens", "positions", "slots", "cu_seqlens")
+
+
+def config_from_hf(d: dict, name: str = "qwen3") -> Config:
+    """A Config from a Hugging Face `config.json` dict."""
+    hidden, heads = d["hidden_size"], d["num_attention_heads"]
+    if d.get("rope_scaling"):
+        raise ValueError(f"config.json has rope_scaling {d['rope_scaling']}; kernjax implements "
+                         "plain RoPE only")
+    return Config(name, layers=d["num_hidden_layers"], hidden=hidden, heads=heads,
+                  kv_heads=d.get("num_key_value_heads", heads),
+                  head_dim=d.get("head_dim") or hidden // heads,
+                  intermediate=d["intermediate_size"], vocab=d["vocab_size"],
+                  rope_theta=float(d.get("rope_theta", 10000.0)), eps=d.get("rms_norm_eps", 1e-6),
+                  tied=d.get("tie_word_embeddings", False),
+                  max_positions=d.get("max_position_embeddings", 40960),
+                  dtype=str(d.get("torch_dtype") or d.get("dtype") or "bfloat16"))
+
+
+def hf_config(cfg: Config) -> dict:
+    """The Hugging Face `config.json` of `cfg`, as transformers' Qwen3Config writes it."""
+    return {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
+            "hidden_size": cfg.hidden, "num_hidden_layers": cfg.layers,
+            "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.kv_heads,
+            "head_dim": cfg.head_dim, "intermediate_size": cfg.intermediate,
+            "vocab_size": cfg.vocab, "rope_theta": cfg.rope_theta, "rope_scaling": None,
+            "rms_norm_eps": cfg.eps, "tie_word_embeddings": cfg.tied,
+            "max_position_embeddings": cfg.max_positions, "hidden_act": "silu",
+            "attention_bias": False, "attention_dropout": 0.0, "use_sliding_window": False,
+            "torch_dtype": cfg.dtype}
+
+
+def weight_shapes(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """Every checkpoint tensor the forward reads, by HF name, in call order."""
+    d, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    out = [("model.embed_tokens.weight", (cfg.vocab, d))]
+    for i in range(cfg.layers):
+        p = f"model.layers.{i}."
+        out += [(p + "input_layernorm.weight", (d,)),
+                (p + "self_attn.q_proj.weight", (q, d)),
+                (p + "self_attn.k_proj.weight", (kv, d)),
+                (p + "self_attn.v_proj.weight", (kv, d)),
+                (p + "self_attn.q_norm.weight", (cfg.head_dim,)),
+                (p + "self_attn.k_norm.weight", (cfg.head_dim,)),
+                (p + "self_attn.o_proj.weight", (d, q)),
+                (p + "post_attention_layernorm.weight", (d,)),
+                (p + "mlp.gate_proj.weight", (cfg.intermediate, d)),
+                (p + "mlp.up_proj.weight", (cfg.intermediate, d)),
+                (p + "mlp.down_proj.weight", (d, cfg.intermediate))]
+    out.append(("model.norm.weight", (d,)))
+    if not cfg.tied:
+        out.append(("lm_head.weight", (cfg.vocab, d)))
+    return out
+
+
+def random_weight(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """A float32 random tensor for `name`: norms near one, matrices N(0, 0.02) (HF's init)."""
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)).astype(np.float32)
+    return 0.02 * rng.standard_normal(shape, dtype=np.float32)
+
+
+def _rms(x, w, eps):
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return w * x32.astype(x.dtype)
+
+
+def _linear(x, w):
+    return jnp.einsum("...i,oi->...o", x, w)
+
+
+def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
+            pages: int | None = None) -> Program:
+    """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program.
+
+    Takes the arguments of `prefill`.
+    """
+    return trace(*prefill(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages),
+                 rows=rows)
+
+
+def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
+            pages: int | None = None):
+    """The prefill forward of `cfg` as `(fn, inputs, outputs)`, ready for `trace`.
+
+    Args:
+      cfg: the model.
+      dtype: weights, activations and KV dtype (`bfloat16` or `float32`).
+      rows: rows per run (the chunk).
+      seqs: sequences one run may hold (pieces split by `cu_seqlens`).
+      context: the longest sequence, in tokens; sets the page table's width.
+      pages: pages per KV state, page 0 included; by default room for `seqs` full contexts.
+    """
+    if context > cfg.max_positions:
+        raise ValueError(f"context {context} is past the model's max_position_embeddings "
+                         f"{cfg.max_positions}")
+    width = -(-context // PAGE)
+    pages = pages or seqs * width + 1
+    dt = jnp.dtype(dtype)
+    L, H, KV, D = cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim
+    inputs = [Slot(n, "weight", dt.name, s) for n, s in weight_shapes(cfg)]
+    inputs += [Slot(f"kv.{i}", "state", dt.name, (pages, PAGE, 2, KV, D)) for i in range(L)]
+    inputs += [Slot("tokens", "fill", "int32", (rows,)), Slot("positions", "fill", "int32", (rows,)),
+               Slot("slots", "fill", "int32", (rows,)),
+               Slot("cu_seqlens", "fill", "int32", (seqs + 1,)),
+               Slot("page_table", "table", "int32", (seqs, width))]
+    outputs = [("next_token", "tokens"), ("logits", "logits")]
+    outputs += [(f"kv.{i}", "state") for i in range(L)]
+    eps, scale = cfg.eps, 1.0 / math.sqrt(D)
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
+
+    def embed(table, tokens):
+        return table[tokens]
+
+    def input_norm(h, w):
+        return _rms(h, w, eps), h
+
+    def qkv_proj(a, wq, wk, wv):
+        return (_linear(a, wq).reshape(rows, H, D), _linear(a, wk).reshape(rows, KV, D),
+                _linear(a, wv).reshape(rows, KV, D))
+
+    def head_norm(x, w):
+        return _rms(x, w, eps)
+
+    def rope(q, k, positions):
+        f = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        emb = jnp.concatenate([f, f], axis=-1)
+        cos, sin = jnp.cos(emb).astype(dt)[:, None, :], jnp.sin(emb).astype(dt)[:, None, :]
+
+        def rot(x):
+            x1, x2 = x[..., : D // 2], x[..., D // 2:]
+            return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+        return rot(q), rot(k)
+
+    def kv_write(kv, k, v, slots):
+        flat = kv.reshape(pages * PAGE, 2, KV, D)
+        flat = flat.at[slots].set(jnp.stack([k, v], axis=1), mode="drop")
+        return flat.reshape(kv.shape)
+
+    def attn(kv, q, positions, cu_seqlens, page_table):
+        ctx = kv[page_table.reshape(-1)].reshape(seqs * width * PAGE, 2, KV, D)
+        keys, vals = ctx[:, 0], ctx[:, 1]
+        key_seq = jnp.repeat(jnp.arange(seqs), width * PAGE)
+        key_pos = jnp.tile(jnp.arange(width * PAGE), seqs)
+        row_seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
+        mask = (row_seq[:, None] == key_seq[None, :]) & (key_pos[None, :] <= positions[:, None])
+        qg = q.reshape(rows, KV, H // KV, D)
+        s = jnp.einsum("rngd,knd->ngrk", qg, keys, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(mask[None, None], s, -1e30)
+        p = jax.nn.softmax(s, axis=-1).astype(dt)
+        o = jnp.einsum("ngrk,knd->rngd", p, vals, preferred_element_type=jnp.float32)
+        return o.astype(dt).reshape(rows, H * D)
+
+    def o_proj(o, w):
+        return _linear(o, w)
+
+    def add_norm(y, h, w):
+        h = h + y
+        return _rms(h, w, eps), h
+
+    def gate_up(m, wg, wu):
+        return _linear(m, wg), _linear(m, wu)
+
+    def silu_mul(g, u):
+        return jax.nn.silu(g) * u
+
+    def down_proj(x, w):
+        return _linear(x, w)
+
+    def lm_head(a, w, cu_seqlens):
+        last = jnp.maximum(cu_seqlens[1:] - 1, 0)
+        return _linear(a[last], w)
+
+    def argmax(logits):
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def forward(x):
+        W = lambda n: x[f"model.{n}.weight"]  # noqa: E731
+        h = call("embed", embed)(W("embed_tokens"), x["tokens"])
+        a, h = call("l0.input_norm", input_norm)(h, W("layers.0.input_layernorm"))
+        new = {}
+        for i in range(L):
+            p, c = f"layers.{i}.", f"l{i}."
+            q, k, v = call(c + "qkv_proj", qkv_proj)(
+                a, W(p + "self_attn.q_proj"), W(p + "self_attn.k_proj"), W(p + "self_attn.v_proj"))
+            q = call(c + "q_norm", head_norm)(q, W(p + "self_attn.q_norm"))
+            k = call(c + "k_norm", head_norm)(k, W(p + "self_attn.k_norm"))
+            q, k = call(c + "rope", rope)(q, k, x["positions"])
+            kv = call(c + "kv_write", kv_write, state=1)(x[f"kv.{i}"], k, v, x["slots"])
+            o = call(c + "attn", attn)(kv, q, x["positions"], x["cu_seqlens"], x["page_table"])
+            y = call(c + "o_proj", o_proj)(o, W(p + "self_attn.o_proj"))
+            m, h = call(c + "post_attn_norm", add_norm)(y, h, W(p + "post_attention_layernorm"))
+            g, u = call(c + "gate_up", gate_up)(m, W(p + "mlp.gate_proj"), W(p + "mlp.up_proj"))
+            f = call(c + "silu_mul", silu_mul)(g, u)
+            y = call(c + "down_proj", down_proj)(f, W(p + "mlp.down_proj"))
+            nxt = "norm" if i == L - 1 else f"layers.{i + 1}.input_layernorm"
+            a, h = call(c + "next_input_norm", add_norm)(y, h, W(nxt))
+            new[f"kv.{i}"] = kv
+        lm = x["lm_head.weight"] if not cfg.tied else W("embed_tokens")
+        logits = call("lm_head", lm_head)(a, lm, x["cu_seqlens"])
+        tokens = call("argmax", argmax)(logits)
+        return {"next_token": tokens, "logits": logits, **new}
+
+    return forward, inputs, outputs

@@ -1,0 +1,21 @@
+"""Shared fixtures: a private checkpoint cache, and the 7 chain prompts."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory):
+    """Random checkpoints go to a per-run cache, never the user's."""
+    os.environ["KERNJAX_CACHE"] = str(tmp_path_factory.mktemp("kjcache"))
+
+
+def prompts(chunk: int, vocab: int) -> list[list[int]]:
+    """Seven prompts from 1 to 2049 tokens: 1, chunk-1, chunk, chunk+1, and three more."""
+    rng = np.random.default_rng(chunk)
+    lengths = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 7, 1000, 2049]
+    return [rng.integers(0, vocab, n).tolist() for n in lengths]

@@ -1,0 +1,139 @@
+"""The chain gate on the CPU: qwen3-tiny cut at every layer boundary and at mid-layer calls, in 2
+and 3 stages, gives logits and tokens bitwise identical to the whole program after every chunk."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kernjax import models
+from kernjax import stage as artifacts
+from kernjax.chain import chain
+from kernjax.cli import model_meta
+from kernjax.cut import cut, whole
+from kernjax.item import item_shape
+from kernjax.run import Pipeline
+from kernjax.runner import Runner, checkpoint_dir, load_weights
+from tests.conftest import prompts
+
+FAM, CFG = models.named("qwen3-tiny")
+CONTEXT = 2560
+# Layer boundaries 1..3 (calls 14, 26, 38) and mid-layer calls: after l0.attn, inside layer 2's
+# MLP, right before the final norm and before lm_head.
+CUTS = {64: [[14], [26], [38], [8], [33], [49], [14, 38], [9, 32]],
+        512: [[14], [26], [38], [10], [50], [26, 38], [3, 45]]}
+
+
+@pytest.fixture(scope="module", params=sorted(CUTS))
+def setup(request, tmp_path_factory):
+    chunk = request.param
+    program = FAM.program(CFG, dtype=CFG.dtype, rows=chunk, context=CONTEXT)
+    ref = {"model": CFG.name, "seed": 0, "dtype": CFG.dtype}
+    meta = dict(model=model_meta(FAM, CFG), checkpoint=ref, dtype=CFG.dtype,
+                item=item_shape(program, FAM.PAGE))
+    out = tmp_path_factory.mktemp(f"chain{chunk}")
+    ckpt, cache = checkpoint_dir(ref), {}
+
+    def pipeline(stages, name):
+        arts = [artifacts.read(artifacts.write(out / name / f"s{s.index}", s, **meta))
+                for s in stages]
+        return Pipeline([Runner(a, load_weights(a, ckpt, cache=cache)) for a in arts])
+
+    return chunk, program, pipeline, pipeline([whole(program)], "whole")
+
+
+def test_stages_equal_whole_after_every_chunk(setup):
+    chunk, program, pipeline, whole_pipe = setup
+    lines = []
+    for at in CUTS[chunk]:
+        split = pipeline(cut(program, at), "cut" + "_".join(map(str, at)))
+        ok = chain(whole_pipe, split, prompts(chunk, CFG.vocab), chunk=chunk, say=lines.append)
+        assert ok, f"cut {at}, chunk {chunk}:\n" + "\n".join(lines)
+    assert lines[-1] == "PASS: 7 prompts bitwise identical"
+    assert "prompt 6: 2049 tokens, " + str(-(-2049 // chunk)) + " chunks: IDENTICAL" in lines
+
+
+def test_chain_detects_a_difference(setup):
+    """A stage whose down_proj weights are one ulp off makes the chain say DIFFERENT."""
+    chunk, program, pipeline, whole_pipe = setup
+    split = pipeline(cut(program, [26]), "tampered")
+    r = split.runners[1]
+    name = next(s.name for s in r.art.inputs if s.name.endswith("mlp.down_proj.weight"))
+    w = np.asarray(r.weights[name]).copy()
+    w.view(np.uint16)[...] += 1
+    r.weights[name] = w
+    lines = []
+    assert not chain(whole_pipe, split, prompts(chunk, CFG.vocab)[:2], chunk=chunk, say=lines.append)
+    assert "DIFFERENT" in lines[0] and lines[-1].startswith("FAIL")
+
+
+def _cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, **kw)
+
+
+def test_cli_cut_then_chain_passes(tmp_path):
+    p = _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "1,c32", "--out", str(tmp_path / "st"),
+             "--chunk", "64", "--context", "2560")
+    assert p.returncode == 0, p.stderr
+    assert "stage 2: calls 32..51" in p.stdout and "into 3 stages" in p.stdout
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(" ".join(map(str, t)) for t in prompts(64, CFG.vocab)[:5]) + "\n")
+    p = _cli("kernjax.chain", "--stages", str(tmp_path / "st"), "--prompts", str(f), "--chunk", "32")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines()[-1] == "PASS: 5 prompts bitwise identical"
+    assert "prompt 3: 65 tokens, 3 chunks: IDENTICAL" in p.stdout
+
+
+def test_cli_run_whole_and_stages_agree(tmp_path):
+    st = tmp_path / "st"
+    assert _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st),
+                "--chunk", "16", "--context", "256").returncode == 0
+    toks = " ".join(map(str, prompts(16, CFG.vocab)[4]))
+    a = _cli("kernjax.run", "--model", "qwen3-tiny", "--tokens", toks, "--chunk", "16",
+             "--save", str(tmp_path / "a.npz"))
+    b = _cli("kernjax.run", "--stages", str(st), "--tokens", toks, "--save", str(tmp_path / "b.npz"))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    za, zb = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
+    assert za["logits"].dtype == np.float32 and za["logits"].shape == (CFG.vocab,)
+    assert za["logits"].tobytes() == zb["logits"].tobytes()
+    assert int(za["token"]) == int(zb["token"]) == int(np.argmax(za["logits"]))
+    assert f"first token: {int(za['token'])}" in a.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "c7", "--out", "X"],
+     "state `kv.0` is touched by 2 stages"),
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "c51", "--out", "X"],
+     "output `logits` is made by call 50 (`lm_head`) in stage 0 of 2"),
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "c0", "--out", "X"],
+     "cut point 0 is at or before call 0 (`embed`)"),
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "9", "--out", "X"], "has no layer 9"),
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "c99", "--out", "X"], "past the last call 51"),
+    (["kernjax.cut", "--model", "qwen3-tiny", "--at", "3,1", "--out", "X"], "not increasing"),
+    (["kernjax.cut", "--model", "nope", "--at", "1", "--out", "X"], "unknown model `nope`"),
+    (["kernjax.run", "--model", "qwen3-tiny", "--tokens", "1 2 99999"], "outside the vocabulary"),
+    (["kernjax.run", "--model", "qwen3-tiny", "--prompt", "hi"], "tokenizer.json"),
+    (["kernjax.run", "--model", "qwen3-tiny"], "exactly one of --prompt"),
+    (["kernjax.chain", "--stages", "nowhere", "--prompts", "nothing"], "nothing"),
+])
+def test_cli_refusals_exit_nonzero_with_a_message(args, message, tmp_path):
+    p = _cli(*args, cwd=tmp_path)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert message in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
+def test_dtype_contradicting_the_artifact_is_refused(tmp_path):
+    st = tmp_path / "st"
+    assert _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
+                "16", "--context", "64").returncode == 0
+    p = _cli("kernjax.run", "--stages", str(st), "--tokens", "1 2 3", "--dtype", "float32")
+    assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
+    f = tmp_path / "p.txt"
+    f.write_text("1 2 3\n")
+    p = _cli("kernjax.chain", "--stages", str(st), "--prompts", str(f), "--dtype", "float32")
+    assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
+    p = _cli("kernjax.run", "--stages", str(st), "--tokens", " ".join(["1"] * 65))
+    assert p.returncode == 2 and "context is 64" in p.stderr, p.stderr
