@@ -13,6 +13,7 @@ equal (they need not be: the boundaries change fusion, which is the point).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -50,7 +51,10 @@ def main():
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after kernjax's own")
     a = ap.parse_args()
+    if a.xla_flags:
+        os.environ["XLA_FLAGS"] += " " + a.xla_flags
     fam, cfg = models.named(a.model)
     kw = dict(dtype=a.dtype, rows=a.rows, context=a.context)
     fn, inputs, outputs = fam.prefill(cfg, **kw)
@@ -89,7 +93,7 @@ def main():
     print(f"{a.model} {a.dtype} rows {a.rows} context {a.context} on {jax.devices()[0].device_kind}"
           f" (jax {jax.__version__}): bounded {t_b:.2f} ms, unconstrained {t_f:.2f} ms, "
           f"ratio {t_b / t_f:.3f}; {a.rows / t_b * 1e3:.0f} vs {a.rows / t_f * 1e3:.0f} tokens/s; "
-          f"logits bitwise equal: {same}")
+          f"logits bitwise equal: {same}; XLA_FLAGS={os.environ.get('XLA_FLAGS')}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
 } 2>&1 | tee -a "$OUT/gate.log"
 
 log "build"
-pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
+python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
 python -c 'import kernjax.ffi as f; print("extension cuda:", f.has_cuda())' | tee -a "$OUT/gate.log"
 
 for arg in "$@"; do
@@ -51,8 +51,9 @@ done
 for arg in "$@"; do
   if [ "$arg" = bench ]; then
     log "boundary cost"
-    python experiments/boundaries.py --model qwen3-4b --rows 512 --context 4096 2>&1 | tee -a "$OUT/gate.log"
-    python experiments/boundaries.py --model qwen3-4b --rows 2048 --context 4096 2>&1 | tee -a "$OUT/gate.log"
+    for r in ${BENCH_ROWS:-512 2048}; do
+      python experiments/boundaries.py --model qwen3-4b --rows "$r" --context 4096 2>&1 | tail -1 | tee -a "$OUT/gate.log"
+    done
   fi
 done
 log "done"
