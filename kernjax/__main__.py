@@ -1,8 +1,9 @@
 """`python -m kernjax`: the main job on the embedded default.
 
-A deterministic random-weight qwen3-tiny is cut on the CPU into 2 and into 3 stages, and the chain
-gate runs the stages and the whole program on seven prompts, comparing logits and tokens bitwise
-after every chunk. It runs the real command-line tools and shows each command it runs.
+The default model (`kernjax.models.DEFAULT`, a small random-weight model) is cut on the CPU into 2
+stages at its middle layer and into 3 (after layer 1's first call, and mid-way through the middle
+layer), and the chain gate runs the stages and the whole program on seven prompts, comparing
+logits and tokens bitwise after every chunk. It runs the real command-line tools and shows each.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from absl import app, flags
 
-flags.DEFINE_string("model", "qwen3-tiny", "the named model to cut (random weights)")
+flags.DEFINE_string("model", None, "the named model to cut (default: kernjax.models.DEFAULT)")
 flags.DEFINE_integer("chunk", 64, "rows per chunk")
 flags.DEFINE_string("out", None, "keep the stage artifacts here (default: a temporary directory)")
 FLAGS = flags.FLAGS
@@ -29,10 +30,21 @@ def _run(*args: str) -> None:
         sys.exit(f"`python -m {shlex.join(args)}` failed")
 
 
+def _accepted(cut, error, program, at) -> bool:
+    try:
+        cut(program, at)
+        return True
+    except error:
+        return False
+
+
 def main(argv) -> None:
     del argv
     from kernjax import models
-    _, cfg = models.named(FLAGS.model)
+    from kernjax.cut import CutError, cut
+    name = FLAGS.model or models.DEFAULT
+    fam, cfg = models.named(name)
+    program = fam.program(cfg, dtype=cfg.dtype, rows=FLAGS.chunk, context=2560)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(FLAGS.out or tmp)
         rng = np.random.default_rng(0)
@@ -41,11 +53,13 @@ def main(argv) -> None:
         out.mkdir(parents=True, exist_ok=True)
         prompts.write_text("".join(" ".join(map(str, rng.integers(0, cfg.vocab, n))) + "\n"
                                    for n in (1, c - 1, c, c + 1, 300, 1000, 2049)))
-        mid = cfg.layers // 2
-        for at, name in ((f"{mid}", "two"), (f"1,c{2 + 12 * mid + 8}", "three")):
-            _run("kernjax.cut", "--model", FLAGS.model, "--at", at, "--chunk", str(c),
-                 "--context", "2560", "--out", str(out / name))
-            _run("kernjax.chain", "--stages", str(out / name), "--prompts", str(prompts))
+        layer = [k for k, n in enumerate(program.calls) if n.startswith("l1.")]
+        mid = [k for k, n in enumerate(program.calls) if n.startswith(f"l{cfg.layers // 2}.")]
+        inner = next(k for k in mid[len(mid) // 2:] if _accepted(cut, CutError, program, [layer[0], k]))
+        for at, sub in ((f"{cfg.layers // 2}", "two"), (f"1,c{inner}", "three")):
+            _run("kernjax.cut", "--model", name, "--at", at, "--chunk", str(c),
+                 "--context", "2560", "--out", str(out / sub))
+            _run("kernjax.chain", "--stages", str(out / sub), "--prompts", str(prompts))
     print("\nsplit equals whole, bit for bit. Next: README.md (the cut, run and chain commands).")
 
 

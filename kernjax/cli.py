@@ -51,7 +51,7 @@ def _say(msg: str) -> None:
 
 
 def _source_flags() -> None:
-    flags.DEFINE_string("model", None, "a named model (random weights), e.g. qwen3-tiny")
+    flags.DEFINE_string("model", None, "a named model, with random weights")
     flags.DEFINE_string("weights", None, "a Hugging Face checkpoint directory")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "compute dtype; default: the "
                       "checkpoint's")
@@ -75,7 +75,7 @@ def source():
 
 def model_meta(fam, cfg) -> dict:
     return {"family": fam.__name__.rsplit(".", 1)[-1], "name": cfg.name,
-            "config": dataclasses.asdict(cfg), "tied": fam.TIED if cfg.tied else None}
+            "config": dataclasses.asdict(cfg), "fallbacks": fam.FALLBACKS}
 
 
 def parse_at(text: str, calls) -> list[int]:

@@ -37,8 +37,8 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
     want = [(s.name, s.shape, s.dtype) for s in art.inputs if s.role == "weight"]
     cache = {} if cache is None else cache
     miss = [w for w in want if (str(ckpt), w[0], w[2]) not in cache]
-    tied = art.manifest["model"].get("tied")
-    got = ckpts.load(ckpt, miss, tied=tied) if miss else {}
+    fallbacks = art.manifest["model"].get("fallbacks")
+    got = ckpts.load(ckpt, miss, fallbacks=fallbacks) if miss else {}
     for name, _, dtype in miss:
         cache[(str(ckpt), name, dtype)] = got[name]
     return {name: cache[(str(ckpt), name, dtype)] for name, _, dtype in want}

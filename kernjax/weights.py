@@ -2,8 +2,9 @@
 
 A checkpoint is a directory with `config.json` and `model.safetensors` (or shards listed in
 `model.safetensors.index.json`). `load` reads only the tensors asked for, checks each one's shape,
-casts to the asked dtype and names every missing or mis-shaped tensor in one error. A tied
-`lm_head.weight` falls back to the embedding.
+casts to the asked dtype and names every missing or mis-shaped tensor in one error. A model may
+name fallbacks: a tensor a checkpoint omits read from another (a tied output head from the
+embedding).
 
 Random weights are written in the same format (`python -m kernjax.weights random`), so every
 random run goes through the real loader. Each tensor draws from its own generator seeded by
@@ -20,7 +21,7 @@ import shutil
 import sys
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import ml_dtypes
@@ -69,20 +70,22 @@ def _files(ckpt: Path) -> dict[str, Path]:
 
 
 def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str]], *,
-         tied: str | None = None, progress: bool = True) -> dict[str, np.ndarray]:
+         fallbacks: Mapping[str, str] | None = None, progress: bool = True
+         ) -> dict[str, np.ndarray]:
     """Reads the tensors `want` (`(name, shape, dtype)`) from a checkpoint directory.
 
     Args:
       ckpt: the checkpoint directory.
       want: each tensor's checkpoint name, expected shape and the dtype to cast it to.
-      tied: the tensor a missing `lm_head.weight` falls back to (tied embeddings).
+      fallbacks: for a tensor the checkpoint may omit, the tensor read instead.
       progress: print progress to stderr for loads over 256 MiB.
     """
     ckpt = Path(ckpt)
     where = _files(ckpt)
     errs, plan = [], []
     for name, shape, dtype in want:
-        src = name if name in where else (tied if name == "lm_head.weight" and tied in where else None)
+        alt = (fallbacks or {}).get(name)
+        src = name if name in where else (alt if alt in where else None)
         if src is None:
             errs.append(f"tensor `{name}` is missing from `{ckpt}`")
         else:

@@ -1,14 +1,18 @@
 """Model families kernjax can trace, installed as `kernjax.models`. All model knowledge lives here.
 
 A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
-`weight_shapes(cfg)`, `random_weight(name, shape, rng)` and `program(cfg, *, dtype, rows, seqs,
-context, pages)`. kernjax reaches a family only through `family()` and `named()`.
+`weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `PAGE`, and
+`prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. kernjax reaches a family only
+through `family()` and `named()`.
 """
 
 from __future__ import annotations
 
 import importlib
 from types import ModuleType
+
+# The model `python -m kernjax` cuts: small enough for a CPU, big enough to have GQA and layers.
+DEFAULT = "qwen3-tiny"
 
 # HF `model_type` -> module in this package.
 FAMILIES = {"qwen3": "qwen3"}

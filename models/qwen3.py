@@ -29,8 +29,8 @@ import numpy as np
 from kernjax.trace import Program, Slot, call, trace
 
 PAGE = 16
-# The tensor a tied checkpoint's missing `lm_head.weight` falls back to.
-TIED = "model.embed_tokens.weight"
+# Tensors a checkpoint may omit, and what is read instead: a tied output head is the embedding.
+FALLBACKS = {"lm_head.weight": "model.embed_tokens.weight"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -115,21 +115,21 @@ def test_missing_and_misshaped_tensors_are_named_in_one_error(f32):
 
 def test_tied_lm_head_falls_back_to_the_embedding(f32):
     vd = SHAPES[EMBED]
-    got = weights.load(f32, [("lm_head.weight", vd, "float32")], tied=EMBED)
+    got = weights.load(f32, [("lm_head.weight", vd, "float32")], fallbacks={'lm_head.weight': EMBED})
     assert list(got) == ["lm_head.weight"]
     np.testing.assert_array_equal(got["lm_head.weight"], _tensors(f32)[EMBED])
     with pytest.raises(WeightError, match=r"`lm_head\.weight` is missing"):
         weights.load(f32, [("lm_head.weight", vd, "float32")])
     # Only lm_head falls back.
     with pytest.raises(WeightError, match=r"`model\.foo\.weight` is missing"):
-        weights.load(f32, [("model.foo.weight", vd, "float32")], tied=EMBED)
+        weights.load(f32, [("model.foo.weight", vd, "float32")], fallbacks={'lm_head.weight': EMBED})
 
 
 def test_untied_lm_head_is_read_when_present(f32, tmp_path):
     t = _tensors(f32)
     head = np.arange(np.prod(SHAPES[EMBED]), dtype=np.float32).reshape(SHAPES[EMBED])
     save_file({**t, "lm_head.weight": head}, tmp_path / "model.safetensors")
-    got = weights.load(tmp_path, [("lm_head.weight", SHAPES[EMBED], "float32")], tied=EMBED)
+    got = weights.load(tmp_path, [("lm_head.weight", SHAPES[EMBED], "float32")], fallbacks={'lm_head.weight': EMBED})
     np.testing.assert_array_equal(got["lm_head.weight"], head)
 
 
@@ -148,7 +148,7 @@ def test_sharded_checkpoint_loads(f32, tmp_path):
     assert not (tmp_path / "model.safetensors").exists()
     want = [(n, SHAPES[n], "float32") for n in names]
     got = weights.load(tmp_path, want + [("lm_head.weight", SHAPES[EMBED], "float32")],
-                       tied=EMBED)
+                       fallbacks={'lm_head.weight': EMBED})
     assert sorted(got) == sorted(names + ["lm_head.weight"])
     for n in names:
         np.testing.assert_array_equal(got[n], t[n])

@@ -1,0 +1,26 @@
+"""Discipline checks: the size budget, and no model knowledge in kernjax/ (kern's CI grep)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _lines(pattern: str) -> int:
+    return sum(len(p.read_text().splitlines()) for p in ROOT.glob(pattern))
+
+
+def test_size_budget():
+    assert _lines("kernjax/**/*.py") < 2000
+    assert _lines("csrc/*") < 500
+
+
+def test_kernjax_holds_no_model_knowledge():
+    """A model name, an HF weight name or a layer path in kernjax/ means the design is wrong."""
+    bad = re.compile(r"qwen|layers\.|embed_tokens|self_attn|mlp\.|lm_head\.weight", re.I)
+    hits = [f"{p.relative_to(ROOT)}:{k}: {line.strip()}"
+            for p in sorted(ROOT.glob("kernjax/**/*.py"))
+            for k, line in enumerate(p.read_text().splitlines(), 1) if bad.search(line)]
+    assert not hits, "model knowledge in kernjax/:\n" + "\n".join(hits)
