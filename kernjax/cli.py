@@ -25,7 +25,8 @@ def run(main_def) -> None:
     def wrapped(argv):
         logging.set_verbosity(logging.WARNING)
         extra = argv[1:]
-        if extra and extra != getattr(main, "verbs", [])[:1] * len(extra):
+        takes = getattr(main, "takes_args", False)
+        if extra and not takes and extra != getattr(main, "verbs", [])[:1] * len(extra):
             _fail(f"unexpected arguments {extra}; every option is a --flag (see --help)")
         from kernjax.cut import CutError
         from kernjax.runner import StageError
@@ -33,7 +34,7 @@ def run(main_def) -> None:
         from kernjax.trace import TraceError
         from kernjax.weights import WeightError
         try:
-            return main()
+            return main(extra) if takes else main()
         except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
                 FileNotFoundError) as e:
             _fail(str(e))
@@ -130,6 +131,18 @@ def cut_main():
     return main
 
 
+def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, context: int,
+                   out: Path):
+    """The uncut program of a model as a verified one-stage artifact written to `out`."""
+    from kernjax import stage as artifacts
+    from kernjax.cut import whole
+    from kernjax.item import item_shape
+    program = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context)
+    return artifacts.read(artifacts.write(out, whole(program), model=model_meta(fam, cfg),
+                                          checkpoint=ref, dtype=dtype,
+                                          item=item_shape(program, fam.PAGE)))
+
+
 def _pipeline(stages_dir: Path, names, *, dtype, weights_dir, cache):
     from kernjax.run import Pipeline
     from kernjax.runner import open_stage
@@ -157,8 +170,6 @@ def run_main():
     def main():
         import numpy as np
         from kernjax import stage as artifacts
-        from kernjax.cut import whole
-        from kernjax.item import item_shape
         from kernjax.run import Pipeline
         from kernjax.runner import Runner, checkpoint_dir, load_weights
         if bool(FLAGS.prompt) == bool(FLAGS.tokens):
@@ -178,11 +189,9 @@ def run_main():
             n = len(_prompt_tokens(ref_dir)) if FLAGS.prompt else len(FLAGS.tokens.split())
             rows = FLAGS.chunk or 512
             context = max(fam.PAGE, -(-n // fam.PAGE) * fam.PAGE)
-            program = fam.program(cfg, dtype=dtype, rows=rows, context=context)
             with tempfile.TemporaryDirectory() as tmp:
-                art = artifacts.read(artifacts.write(
-                    Path(tmp) / "whole", whole(program), model=model_meta(fam, cfg),
-                    checkpoint=ref, dtype=dtype, item=item_shape(program, fam.PAGE)))
+                art = whole_artifact(fam, cfg, ref, dtype, rows=rows, seqs=1, context=context,
+                                     out=Path(tmp) / "whole")
             ref_dir = checkpoint_dir(ref)
             pipe = Pipeline([Runner(art, load_weights(art, ref_dir))])
             vocab = cfg.vocab

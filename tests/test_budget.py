@@ -13,7 +13,8 @@ def _lines(pattern: str) -> int:
 
 
 def test_size_budget():
-    assert _lines("kernjax/**/*.py") < 2000
+    # Core (trace, cut, stage, run, weights) ~1,700 lines; serving ~1,300.
+    assert _lines("kernjax/**/*.py") < 3500
     assert _lines("csrc/*") < 500
 
 

@@ -1,0 +1,1 @@
+"""Serving: head and stage processes, protocol, transport, HTTP."""

@@ -1,0 +1,116 @@
+"""A stage process past the head: receive items and arrivals, run, send departures or tokens.
+
+The stage listens for its predecessor, joins the head (`--pp_head`, retried for
+`startup_timeout`) with a Hello, takes its Table (pages, and the next stage's address and
+arrivals, which must equal its own departures), connects to the next stage and accepts its
+predecessor. Then, item by item in order: the fills come from the head, the arrivals from the
+stage before, the departures go to the stage after, and the last stage sends the head the tokens.
+A reader thread answers the head's pings while the main thread computes.
+
+Any error ends the process with a message naming the stage and what failed; a closed connection
+to the head or a neighbour ends it too, so when one process goes the pipeline goes.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+
+import numpy as np
+
+from kernjax.runner import Runner
+from kernjax.serve.head import _connect, log_item
+from kernjax.serve.protocol import Closed, Conn, ProtocolError
+from kernjax.serve.transport import HostTransport
+
+
+def _slots(xs):
+    return [[x.name, x.dtype, list(x.shape)] for x in xs]
+
+
+def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
+                startup_timeout: float = 600.0) -> None:
+    """Runs stage `runner` of a pipeline whose head listens at `head`; returns never."""
+    art = runner.art
+    s, last = art.index, art.index == art.stages - 1
+
+    def die(msg: str) -> None:
+        print(f"error: stage {s}: {msg}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    if s == 0:
+        die(f"`{art.path}` is stage 0, the head: start it with --pp_listen")
+    try:
+        server = socket.create_server((host, 0))
+        hconn = _connect(head, "the head", startup_timeout)
+        fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
+        hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
+                             "pages": art.item.pages, "listen": server.getsockname()[1],
+                             "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
+                             "fills": fills})
+        table, _ = hconn.expect("TABLE")
+        if table["pages"] > art.item.pages:
+            hconn.send("ERROR", {"message": f"stage {s} holds {art.item.pages} pages, not "
+                                            f"{table['pages']}"})
+            die(f"the head asks for {table['pages']} pages; this stage holds {art.item.pages}")
+        nxt = None
+        if (table["next"] is None) != last:
+            die(f"the head's table says next={table['next']}, but this is stage {s} of {art.stages}")
+        if table["next"]:
+            if table["next"]["arrivals"] != _slots(art.departures):
+                die(f"stage {s + 1} takes {table['next']['arrivals']}; this stage departs "
+                    f"{_slots(art.departures)}")
+            nxt = HostTransport(_connect(table["next"]["address"], f"stage {s + 1}", 60),
+                                art.departures)
+        server.settimeout(60)
+        sock, _ = server.accept()
+        sock.settimeout(None)
+        prev = HostTransport(Conn(sock, name=f"stage {s - 1}"), art.arrivals)
+        server.close()
+    except (OSError, RuntimeError, ProtocolError, Closed) as e:
+        die(f"cannot join the pipeline: {e}")
+    print(f"stage {s}: joined cut `{art.cut_id}` ({table['pages']} pages)", file=sys.stderr,
+          flush=True)
+
+    items: queue.Queue = queue.Queue()
+
+    def read_head() -> None:
+        try:
+            while True:
+                kind, header, arrays = hconn.recv()
+                if kind == "PING":
+                    hconn.send("PONG")
+                elif kind == "ITEM":
+                    items.put((header, arrays))
+                elif kind == "ERROR":
+                    die(f"the head stopped: {header.get('message')}")
+                else:
+                    die(f"the head sent {kind}, which the head never sends a stage")
+        except (Closed, ProtocolError) as e:
+            die(f"lost the head: {e}")
+
+    threading.Thread(target=read_head, name="head", daemon=True).start()
+    try:
+        while True:
+            header, fills = items.get()
+            k = header["item"]
+            t0 = time.time()
+            arrivals, acts = prev.recv(k)
+            t1 = time.time()
+            departures, outputs = runner.run(fills, arrivals)
+            busy = acts.get("busy_us", []) + [int((time.time() - t1) * 1e6)]
+            if nxt:
+                nxt.send(k, [np.asarray(d) for d in departures], {"busy_us": busy})
+            else:
+                tokens = np.asarray(outputs["next_token"])
+                hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": busy},
+                           {"next_token": tokens})
+            log_item(s, k, header["rows"], t0, time.time())
+    except (Closed, ProtocolError) as e:
+        die(str(e))
+    except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)
+        die(f"{type(e).__name__}: {e}")

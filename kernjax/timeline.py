@@ -1,0 +1,218 @@
+"""The pipeline timeline: where each stage spends an item's time, read back from the stages' logs.
+
+Every stage process logs one line per item when the item's mark passes:
+`pp item stage=S item=K rows=R issued_us=I done_us=D`, with `issued_us` the wall-clock time the
+stage issued the item's work and `done_us` the time it finished, both in microseconds. Lines may
+carry any prefix (absl's, a timestamp) and sit among other lines; `parse` finds them with a regex
+and ignores everything else. This is kern's `tools/pp_timeline.py`, done the same way.
+
+Only items present on every stage are kept, so a log cut short on one stage does not skew the
+others. An item on stage `s` can start only once it is issued, the stage has finished the item
+before, and the stage upstream has finished this item:
+
+    start  = max(issued[s][k], done[s][k-1], done[s-1][k])
+    wait   = start - done[s][k-1]      the stage idles, for want of input
+    held   = done - start              its own work, plus any wait for downstream to take
+    period = done[s][k] - done[s][k-1]
+
+"Upstream" is the next lower stage number present in the logs, and item 0 has no previous item, so
+it has no wait and no period and is left out of the statistics (hence `first=1`). In a steady
+pipeline every stage has the same period, that of the slowest stage; the slowest stage waits
+least, and a stage's wait share (total wait over total period) is the fraction of the time it
+could give to more work. Percentiles interpolate linearly between the closest ranks (numpy's
+default). Stages on different hosts read different clocks; a skew shows up as a negative held.
+
+`gantt` draws the first items as text, one row per stage: '.' is idle and a digit (the item
+number mod 10) spans the item's start to its done. `png` draws the same chart with matplotlib.
+`python -m kernjax.timeline LOG... [--png FILE]` prints the report and the text gantt.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+_LINE = re.compile(r"\bpp item stage=(\d+) item=(\d+) rows=(\d+) issued_us=(\d+) done_us=(\d+)")
+
+
+def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
+    """Reads the `pp item` lines among `lines` into stage -> item -> (issued_us, done_us, rows).
+
+    Raises:
+      ValueError: no line is a `pp item` line, or one stage logs one item twice.
+    """
+    items: dict[int, dict[int, tuple[int, int, int]]] = {}
+    for line in lines:
+        m = _LINE.search(line)
+        if m is None:
+            continue
+        stage, item, rows, issued, done = map(int, m.groups())
+        per = items.setdefault(stage, {})
+        if item in per:
+            raise ValueError(f"stage {stage} logs item {item} twice; give each stage's log once, "
+                             "and one run per log")
+        per[item] = (issued, done, rows)
+    if not items:
+        raise ValueError("no `pp item stage=S item=K rows=R issued_us=I done_us=D` lines found; "
+                         "give the logs of the stage processes")
+    return {s: dict(sorted(items[s].items())) for s in sorted(items)}
+
+
+def _spans(items):
+    """Stage -> item -> (start, done, wait, period) over the items on every stage, in µs; wait and
+    period are None for an item whose previous item the stage did not log."""
+    stages = sorted(items)
+    common = sorted(set.intersection(*(set(items[s]) for s in stages)))
+    if not common:
+        raise ValueError(f"no item is on every stage ({', '.join(map(str, stages))}); "
+                         + "; ".join(f"stage {s} logs items {_ranges(items[s])}" for s in stages))
+    out = {}
+    for i, s in enumerate(stages):
+        own, up = items[s], items[stages[i - 1]] if i else None
+        out[s] = {}
+        for k in common:
+            issued, done, _ = own[k]
+            prev = own[k - 1][1] if k - 1 in own else None
+            start = max(t for t in (issued, prev, up[k][1] if up else None) if t is not None)
+            out[s][k] = (start, done, None if prev is None else start - prev,
+                         None if prev is None else done - prev)
+    return out
+
+
+def _ranges(ids) -> str:
+    """`0..4, 7, 9..10`: sorted item numbers as runs."""
+    ids, runs = sorted(ids), []
+    for k in ids:
+        if runs and k == runs[-1][1] + 1:
+            runs[-1][1] = k
+        else:
+            runs.append([k, k])
+    return ", ".join(str(a) if a == b else f"{a}..{b}" for a, b in runs)
+
+
+def report(items, *, first: int = 1, last: int | None = None) -> str:
+    """Per stage: period, held and wait p50 and p90 in ms, and the wait share, as a table.
+
+    Args:
+      items: `parse`'s result.
+      first: the first item counted (item 0 has no period, so 1).
+      last: the last item counted; default: the last item on every stage.
+
+    Raises:
+      ValueError: no item is on every stage, or none of them in `first..last` has a period.
+    """
+    spans = _spans(items)
+    table = [["stage", "items", "period p50", "p90", "held p50", "p90", "wait p50", "p90",
+              "wait share"]]
+    counted = set()
+    for s, per in spans.items():
+        ks = [k for k, (_, _, _, period) in per.items()
+              if first <= k and (last is None or k <= last) and period is not None]
+        rows = [per[k] for k in ks]
+        if not rows:
+            raise ValueError(f"no item in {first}..{'' if last is None else last} has a period on "
+                             f"stage {s} (items on every stage: {_ranges(per)}); widen --first/"
+                             "--last")
+        counted.update(ks)
+        held = [done - start for start, done, _, _ in rows]
+        wait = [w for _, _, w, _ in rows]
+        period = [p for _, _, _, p in rows]
+        ms = [np.percentile(np.asarray(v, np.float64), q) / 1e3
+              for v in (period, held, wait) for q in (50, 90)]
+        share = sum(wait) / sum(period) if sum(period) else math.nan
+        table.append([str(s), str(len(rows)), *(f"{v:.3f}" for v in ms), f"{100 * share:.1f}%"])
+    widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
+    lines = ["  ".join(f.rjust(w) for f, w in zip(r, widths)).rstrip() for r in table]
+    head = f"{len(spans)} stages, items {_ranges(counted)}, times in ms"
+    return "\n".join([head, *lines])
+
+
+def _shown(items, max_items: int):
+    spans = _spans(items)
+    ks = list(next(iter(spans.values())))[:max_items]
+    return {s: {k: per[k][:2] for k in ks} for s, per in spans.items()}, ks
+
+
+def gantt(items, *, width: int = 120, max_items: int = 20) -> str:
+    """The first `max_items` items on every stage as text: a row per stage of `width` columns,
+    '.' idle and the item number mod 10 from its start to its done."""
+    if width < 1:
+        raise ValueError(f"gantt width {width}: give at least 1 column")
+    shown, ks = _shown(items, max_items)
+    t0 = min(start for per in shown.values() for start, _ in per.values())
+    t1 = max(done for per in shown.values() for _, done in per.values())
+    span = max(t1 - t0, 1)
+    label = max(len(str(s)) for s in shown)
+    lines = [f"items {ks[0]}..{ks[-1]} over {span / 1e3:.3f} ms, {span / 1e3 / width:.3f} ms a "
+             "column"]
+    for s, per in shown.items():
+        row = ["."] * width
+        for k, (start, done) in per.items():
+            c0 = min(max((start - t0) * width // span, 0), width - 1)
+            c1 = min(max(-(-(done - t0) * width // span), c0 + 1), width)
+            row[c0:c1] = str(k % 10) * (c1 - c0)
+        lines.append(f"stage {s:>{label}} |{''.join(row)}|")
+    return "\n".join(lines)
+
+
+def png(items, path, *, max_items: int = 20) -> Path:
+    """Draws `gantt`'s chart as a PNG at `path`: a horizontal bar per item on each stage's row."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    shown, ks = _shown(items, max_items)
+    t0 = min(start for per in shown.values() for start, _ in per.values())
+    fig = Figure(figsize=(12, 1.2 + 0.6 * len(shown)))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    colors = [f"C{i}" for i in range(10)]
+    for y, (s, per) in enumerate(shown.items()):
+        for k, (start, done) in per.items():
+            x, w = (start - t0) / 1e3, max(done - start, 0) / 1e3
+            ax.broken_barh([(x, w)], (y - 0.4, 0.8), facecolors=colors[k % 10], edgecolor="k",
+                           linewidth=0.5)
+            ax.text(x + w / 2, y, str(k), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(shown)), [f"stage {s}" for s in shown])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms since the first start")
+    ax.set_title(f"pipeline timeline, items {ks[0]}..{ks[-1]}")
+    fig.tight_layout()
+    fig.savefig(path, format="png", dpi=100)
+    return Path(path)
+
+
+def timeline_main():
+    """`python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K] [--width N]`."""
+    from absl import flags
+    flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
+    flags.DEFINE_integer("first", 1, "the first item counted in the report")
+    flags.DEFINE_integer("last", None, "the last item counted (default: the last on every stage)")
+    flags.DEFINE_integer("width", 120, "columns of the text gantt")
+    FLAGS = flags.FLAGS
+
+    def main(logs=()):
+        if not logs:
+            raise ValueError("give the stages' log files: python -m kernjax.timeline LOG... "
+                             "[--png FILE]")
+        lines = []
+        for log in map(Path, logs):
+            if not log.is_file():
+                raise ValueError(f"log `{log}` is not a file")
+            lines += log.read_text(errors="replace").splitlines()
+        items = parse(lines)
+        print(report(items, first=FLAGS.first, last=FLAGS.last))
+        print()
+        print(gantt(items, width=FLAGS.width))
+        if FLAGS.png:
+            print(f"wrote {png(items, FLAGS.png)}")
+
+    main.takes_args = True
+    return main
+
+
+if __name__ == "__main__":
+    from kernjax import cli
+    cli.run(timeline_main)

@@ -1,0 +1,281 @@
+"""Serving as real processes on loopback: 2- and 3-stage pipelines of qwen3-tiny against the
+single-process server, packing, 100 concurrent requests, bad input, and faults (a killed stage,
+a frozen stage, a stage of another cut)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from kernjax import models
+
+_, CFG = models.named("qwen3-tiny")
+CONTEXT = 512
+LENGTHS = [1, 31, 32, 33, 100, 200, 500]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args, log: Path):
+        self.log = log
+        self.p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", *args],
+                                  stdout=log.open("w"), stderr=subprocess.STDOUT)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+
+class Pipeline:
+    """A head and its stages, started from one cut directory; stopped at the end."""
+
+    def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60):
+        self.port, pp = _port(), _port()
+        self.http = f"http://127.0.0.1:{self.port}"
+        if stages == 1:
+            self.procs = [Proc(["--stage_dir", str(cut / "whole"), "--port", str(self.port)],
+                               tmp / "whole.log")]
+        else:
+            self.procs = [Proc(["--stage_dir", str(cut / "stage0"), "--pp_listen",
+                                f"127.0.0.1:{pp}", "--port", str(self.port),
+                                "--stage_timeout", str(timeout)], tmp / "stage0.log")]
+            self.procs += [Proc(["--stage_dir", str(cut / f"stage{s}"), "--pp_head",
+                                 f"127.0.0.1:{pp}"], tmp / f"stage{s}.log")
+                           for s in range(1, stages)]
+        self.pp = pp
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                    return
+            except OSError:
+                if any(p.p.poll() is not None for p in self.procs):
+                    break
+                time.sleep(0.3)
+        self.stop()
+        raise AssertionError("the pipeline did not start:\n" + self.logs())
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.log.name}\n{p.text()}" for p in self.procs)
+
+    def stop(self):
+        for p in self.procs:
+            if p.p.poll() is None:
+                p.p.kill()
+            p.p.wait()
+
+
+def _cut(out: Path, at: str) -> Path:
+    p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "qwen3-tiny", "--at", at,
+                        "--chunk", "32", "--seqs", "4", "--context", str(CONTEXT), "--out", str(out)],
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def cuts(tmp_path_factory):
+    t = tmp_path_factory.mktemp("cuts")
+    return {2: _cut(t / "two", "1"), 3: _cut(t / "three", "1,c33")}
+
+
+@pytest.fixture(scope="module")
+def servers(cuts, tmp_path_factory):
+    made = {}
+    for n, cut in ((1, cuts[2]), (2, cuts[2]), (3, cuts[3])):
+        made[n] = Pipeline(cut, tmp_path_factory.mktemp(f"serve{n}"), stages=n)
+    yield made
+    for p in made.values():
+        p.stop()
+
+
+def _prompts():
+    import numpy as np
+    rng = np.random.default_rng(7)
+    return [rng.integers(0, CFG.vocab, n).tolist() for n in LENGTHS]
+
+
+async def _post(session, url, body, raw=None):
+    data = raw if raw is not None else json.dumps(body)
+    async with session.post(url + "/v1/completions", data=data) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def _complete(url, prompts, *, concurrent: bool):
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            body = lambda p: {"model": "qwen3-tiny", "prompt": p, "max_tokens": 1}  # noqa: E731
+            if concurrent:
+                return await asyncio.gather(*(_post(s, url, body(p)) for p in prompts))
+            return [await _post(s, url, body(p)) for p in prompts]
+    return asyncio.run(go())
+
+
+def _tokens(results):
+    assert all(status == 200 for status, _ in results), results
+    return [r["choices"][0]["token_ids"][0] for _, r in results]
+
+
+def _metric(url, name) -> float:
+    async def go():
+        async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+            return await r.text()
+    for line in asyncio.run(go()).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no metric {name}")
+
+
+def test_pipelines_give_the_single_process_servers_tokens(servers):
+    prompts = _prompts()
+    want = _tokens(_complete(servers[1].http, prompts, concurrent=False))
+    for n in (2, 3):
+        assert _tokens(_complete(servers[n].http, prompts, concurrent=False)) == want, n
+        assert _tokens(_complete(servers[n].http, prompts, concurrent=True)) == want, n
+
+
+def test_packed_and_unpacked_give_the_same_first_tokens(servers):
+    url = servers[2].http
+    short = [p[:20] for p in _prompts()[2:]] + [p[:9] for p in _prompts()[4:]]
+    alone = _tokens(_complete(url, short, concurrent=False))
+    items = _metric(url, "kernjax_items_total")
+    packed = _tokens(_complete(url, short, concurrent=True))
+    assert packed == alone
+    assert _metric(url, "kernjax_items_total") - items < len(short), "nothing was packed"
+
+
+def test_100_concurrent_requests_all_answered_and_pages_return(servers):
+    import numpy as np
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab, int(rng.integers(1, 120))).tolist() for _ in range(100)]
+    res = _complete(servers[2].http, prompts, concurrent=True)
+    assert [s for s, _ in res] == [200] * 100
+    assert all(r["usage"]["prompt_tokens"] == len(p) for (_, r), p in zip(res, prompts))
+    assert _metric(servers[2].http, "kernjax_pages_in_use") == 0
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"max_tokens": 1}', 400, "prompt must be"),
+    (b'{"prompt": [1, 2], "max_tokens": 16}', 400, "prefill only"),
+    (b'{"prompt": [], "max_tokens": 1}', 400, "empty"),
+    (b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
+    (b'{"prompt": "hello"}', 400, "no tokenizer"),
+    (b'{"prompt": [[1], [2]]}', 400, "one prompt per request"),
+    (b'{"model": "gpt-9", "prompt": [1]}', 404, "does not exist"),
+    (json.dumps({"prompt": [1] * (CONTEXT + 1)}).encode(), 400, "512"),
+])
+def test_bad_requests_get_errors_not_crashes(servers, body, status, words):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await _post(s, servers[2].http, None, raw=body)
+    got, r = asyncio.run(go())
+    assert got == status and words in r["error"]["message"], r
+    assert _complete(servers[2].http, [[1, 2, 3]], concurrent=False)[0][0] == 200
+
+
+def test_models_and_health(servers):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(servers[3].http + "/v1/models") as r:
+                m = await r.json()
+            async with s.get(servers[3].http + "/health") as r:
+                return m, r.status, await r.json()
+    m, status, h = asyncio.run(go())
+    assert m["data"][0]["id"] == "qwen3-tiny" and m["data"][0]["max_model_len"] == CONTEXT
+    assert status == 200 and h["stages"] == 3
+
+
+def _wait(proc: Proc, seconds: float) -> int | None:
+    try:
+        return proc.p.wait(seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def test_a_killed_stage_fails_in_flight_requests_with_503_and_every_process_exits(cuts, tmp_path):
+    pipe = Pipeline(cuts[3], tmp_path, stages=3)
+    try:
+        os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)   # hold requests in flight, then kill
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+                tasks = [asyncio.create_task(_post(s, pipe.http, {"prompt": [1, 2, 3, i]}))
+                         for i in range(5)]
+                await asyncio.sleep(1.0)
+                os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
+                return await asyncio.gather(*tasks)
+        t0 = time.time()
+        res = asyncio.run(go())
+        assert time.time() - t0 < 20
+        assert all(s == 503 and "stage 1" in r["error"]["message"] for s, r in res), res
+        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
+        assert _wait(pipe.procs[2], 15) not in (None, 0), pipe.logs()
+        assert "error: head: stage 1" in pipe.procs[0].text()
+    finally:
+        pipe.stop()
+
+
+def test_a_frozen_stage_is_detected_within_the_stage_timeout(cuts, tmp_path):
+    pipe = Pipeline(cuts[2], tmp_path, stages=2, timeout=3)
+    try:
+        os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)
+        t0 = time.time()
+        (status, r), = asyncio.run(_one(pipe.http, {"prompt": [5, 6, 7]}))
+        assert status == 503 and "stage 1 stopped answering" in r["error"]["message"], r
+        assert time.time() - t0 < 10
+        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
+    finally:
+        os.kill(pipe.procs[1].p.pid, signal.SIGCONT)
+        pipe.stop()
+
+
+async def _one(url, body):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        return [await _post(s, url, body)]
+
+
+def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path):
+    other = _cut(tmp_path / "other", "2")  # another cut: another id
+    port, pp = _port(), _port()
+    head = Proc(["--stage_dir", str(cuts[2] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
+                 "--port", str(port)], tmp_path / "head.log")
+    try:
+        deadline = time.time() + 60
+        while "waiting for stages" not in head.text() and time.time() < deadline:
+            time.sleep(0.2)
+        with socket.create_connection(("127.0.0.1", pp)) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            time.sleep(0.5)
+        foreign = Proc(["--stage_dir", str(other / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
+                       tmp_path / "foreign.log")
+        assert _wait(foreign, 60) == 1
+        assert "belongs to cut" in foreign.text(), foreign.text()
+        real = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
+                    tmp_path / "real.log")
+        try:
+            deadline = time.time() + 60
+            while "serving" not in head.text() and time.time() < deadline:
+                time.sleep(0.2)
+            log = head.text()
+            assert "not a kernjax frame" in log and "belongs to cut" in log, log
+            (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
+            assert status == 200
+        finally:
+            real.p.kill()
+    finally:
+        head.p.kill()

@@ -1,0 +1,113 @@
+"""The timeline on synthetic logs with known timings: every item is issued at once, and each stage
+takes a fixed time per item, so the period, held and wait of every stage are known exactly."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kernjax.timeline import gantt, parse, png, report
+
+T0 = 1_760_000_000_000_000  # a wall-clock time in µs
+
+
+def _log(ms_per_stage: list[float], n: int, *, noise: bool = False) -> list[str]:
+    """Lines of a pipeline of stages taking `ms_per_stage` per item, `n` items all issued at T0,
+    each stage starting an item once it and its upstream are free; stages' lines interleaved."""
+    done = [[0] * n for _ in ms_per_stage]
+    out = []
+    for k in range(n):
+        for s, ms in enumerate(ms_per_stage):
+            start = max(T0, done[s][k - 1] if k else T0, done[s - 1][k] if s else T0)
+            done[s][k] = start + int(ms * 1000)
+            prefix = f"I1008 12:00:00.000000 {100 + s} stage.py:42] "
+            out.append(f"{prefix}pp item stage={s} item={k} rows=512 issued_us={T0} "
+                       f"done_us={done[s][k]}")
+            if noise:
+                out += [f"{prefix}compiled stage {s} in 1.2 s", "pp item stage=x item=1",
+                        "unrelated line"]
+    return out
+
+
+def _table(text: str) -> dict[str, list[str]]:
+    """Report rows by stage, each as its fields after the stage number."""
+    rows = text.splitlines()[2:]
+    return {r.split()[0]: r.split()[1:] for r in rows}
+
+
+def test_two_stages_the_faster_downstream_waits():
+    t = _table(report(parse(_log([10, 5], 20))))
+    # items, period p50 p90, held p50 p90, wait p50 p90, wait share
+    assert t["0"] == ["19", "10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%"]
+    assert t["1"] == ["19", "10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%"]
+
+
+def test_three_stages():
+    t = _table(report(parse(_log([10, 5, 8], 12))))
+    assert t["0"][1:] == ["10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%"]
+    assert t["1"][1:] == ["10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%"]
+    assert t["2"][1:] == ["10.000", "10.000", "8.000", "8.000", "2.000", "2.000", "20.0%"]
+
+
+def test_first_and_last_choose_the_items():
+    t = _table(report(parse(_log([10, 5], 20)), first=5, last=9))
+    assert t["1"][0] == "5"
+
+
+def test_percentiles_over_varying_periods():
+    # One stage, item k issued at T0 + k² ms and taking 1 ms: periods 1, 3, 5, ... 19 ms (wait =
+    # period - 1): p50 10, p90 17.2 by linear interpolation.
+    lines = [f"pp item stage=0 item={k} rows=1 issued_us={T0 + k * k * 1000} "
+             f"done_us={T0 + k * k * 1000 + 1000}" for k in range(11)]
+    t = _table(report(parse(lines)))
+    assert t["0"] == ["10", "10.000", "17.200", "1.000", "1.000", "9.000", "16.200", "90.0%"]
+
+
+def test_other_lines_are_ignored():
+    assert parse(_log([10, 5, 8], 6, noise=True)) == parse(_log([10, 5, 8], 6))
+
+
+def test_gantt_has_a_row_per_stage_of_width_columns():
+    lines = gantt(parse(_log([10, 5, 8], 30)), width=50, max_items=10).splitlines()
+    rows = [ln.split("|")[1] for ln in lines if ln.startswith("stage")]
+    assert len(rows) == 3 and all(len(r) == 50 for r in rows)
+    assert set("".join(rows)) == set(".0123456789")
+    assert rows[0].startswith("0") and rows[2].startswith(".")
+
+
+def test_png_is_written(tmp_path):
+    path = png(parse(_log([10, 5], 8)), tmp_path / "t.png")
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_no_pp_item_lines():
+    with pytest.raises(ValueError, match="no `pp item"):
+        parse(["hello", "pp item stage=0"])
+
+
+def test_no_item_on_every_stage():
+    lines = _log([10], 3) + [f"pp item stage=1 item={k} rows=1 issued_us=0 done_us=1"
+                             for k in (5, 6)]
+    with pytest.raises(ValueError, match="no item is on every stage.*stage 1 logs items 5..6"):
+        report(parse(lines))
+
+
+def test_an_item_twice():
+    with pytest.raises(ValueError, match="stage 0 logs item 0 twice"):
+        parse(_log([10], 3) * 2)
+
+
+def test_command_line(tmp_path):
+    logs = [tmp_path / "stage0.log", tmp_path / "stage1.log"]
+    for s, log in enumerate(logs):  # one log per stage process
+        log.write_text("\n".join(ln for ln in _log([10, 5], 8, noise=True) if f"stage={s} " in ln))
+    cmd = [sys.executable, "-m", "kernjax.timeline", *map(str, logs), "--width", "40",
+           "--png", str(tmp_path / "t.png")]
+    ok = subprocess.run(cmd, capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stderr
+    assert _table(ok.stdout.split("\n\n")[0])["1"][-1] == "50.0%"
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    bad = subprocess.run(cmd[:3] + [str(tmp_path / "none.log")], capture_output=True, text=True)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
