@@ -38,7 +38,7 @@ for c in $chunks; do
   python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/prompts$c.txt"
   for at in 18 c226; do
     log "cut qwen3-4b --at $at --chunk $c"
-    python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --out "cuts/$at-$c" \
+    python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
       > "$OUT/cut-$at-$c.txt" 2>&1 || { tail "$OUT/cut-$at-$c.txt"; exit 1; }
     tail -3 "$OUT/cut-$at-$c.txt" | tee -a "$OUT/gate.log"
     log "chain --at $at --chunk $c"

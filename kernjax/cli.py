@@ -36,7 +36,7 @@ def run(main_def) -> None:
         try:
             return main(extra) if takes else main()
         except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
-                FileNotFoundError) as e:
+                RuntimeError, OSError) as e:
             _fail(str(e))
 
     app.run(wrapped)
@@ -102,7 +102,7 @@ def cut_main():
     flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated")
     flags.DEFINE_string("out", None, "directory for stage0/ .. stageN/ and whole/")
     flags.DEFINE_integer("chunk", 512, "rows per run of the program")
-    flags.DEFINE_integer("seqs", 1, "sequences one item may hold")
+    flags.DEFINE_integer("seqs", 4, "sequences one item may hold (packed prefill)")
     flags.DEFINE_integer("context", 4096, "the longest sequence, in tokens")
     flags.DEFINE_integer("pages", None, "pages per KV state (default: seqs full contexts + 1)")
     flags.mark_flags_as_required(["at", "out"])

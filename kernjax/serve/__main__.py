@@ -75,7 +75,8 @@ def serve_main():
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=cli._tokenizer(ckpt), metrics=metrics)
-        print(f"serving `{name}` ({art.stages} stages, cut `{art.cut_id}`) on "
+        what = "the whole program" if art.stages == 1 else f"{art.stages} stages"
+        print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on "
               f"http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
         web.run_app(app, host=FLAGS.host, port=FLAGS.port, print=None, handle_signals=True)
 

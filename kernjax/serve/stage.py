@@ -102,11 +102,13 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             arrivals, acts = prev.recv(k)
             t1 = time.time()
             departures, outputs = runner.run(fills, arrivals)
+            # np.asarray waits for the device, so `busy` is the work, not its launch.
+            departures = [np.asarray(d) for d in departures]
+            tokens = None if nxt else np.asarray(outputs["next_token"])
             busy = acts.get("busy_us", []) + [int((time.time() - t1) * 1e6)]
             if nxt:
-                nxt.send(k, [np.asarray(d) for d in departures], {"busy_us": busy})
+                nxt.send(k, departures, {"busy_us": busy})
             else:
-                tokens = np.asarray(outputs["next_token"])
                 hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": busy},
                            {"next_token": tokens})
             log_item(s, k, header["rows"], t0, time.time())
