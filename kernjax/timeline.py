@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
 
 _LINE = re.compile(r"\bpp item stage=(\d+) item=(\d+) rows=(\d+) issued_us=(\d+) done_us=(\d+)")
+
+
+def log_item(stage: int, item: int, rows: int, issued: float, done: float) -> None:
+    """The timeline line every stage writes per item (wall-clock microseconds)."""
+    print(f"pp item stage={stage} item={item} rows={rows} issued_us={int(issued * 1e6)} "
+          f"done_us={int(done * 1e6)}", file=sys.stderr, flush=True)
 
 
 def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:

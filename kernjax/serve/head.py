@@ -37,8 +37,9 @@ from kernjax.item import Piece, make_item
 from kernjax.pool import Pool
 from kernjax.runner import Runner
 from kernjax.serve.pack import Waiting, admissible, full, pack
-from kernjax.serve.protocol import Closed, Conn, ProtocolError, parse_address
+from kernjax.serve.protocol import Closed, Conn, ProtocolError, connect, parse_address
 from kernjax.serve.transport import HostTransport
+from kernjax.timeline import log_item
 
 
 class Refused(Exception):
@@ -56,12 +57,6 @@ class _Request:
     arrived: float
     lease: object = None
     pos: int = 0
-
-
-def log_item(stage: int, item: int, rows: int, issued: float, done: float) -> None:
-    """The timeline line every stage writes per item (wall-clock microseconds)."""
-    print(f"pp item stage={stage} item={item} rows={rows} issued_us={int(issued * 1e6)} "
-          f"done_us={int(done * 1e6)}", file=sys.stderr, flush=True)
 
 
 class Head:
@@ -150,7 +145,7 @@ class Head:
             self.fills[s] = hello["fills"]
             self.seen[s] = time.time()
         one = hellos[1][1]
-        self.next = HostTransport(_connect(f"{hellos[1][2]}:{one['listen']}", "stage 1", 60),
+        self.next = HostTransport(connect(f"{hellos[1][2]}:{one['listen']}", "stage 1", 60),
                                   self.art.departures)
         for s, conn in self.conns.items():
             threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}", daemon=True).start()
@@ -328,18 +323,3 @@ class Head:
             except Closed:
                 pass
         threading.Timer(1.0, self.on_exit, (1,)).start()
-
-
-def _connect(address: str, name: str, timeout: float) -> Conn:
-    """Connects to `address`, retrying until `timeout` seconds have passed."""
-    host, port = parse_address(address)
-    deadline = time.time() + timeout
-    while True:
-        try:
-            sock = socket.create_connection((host, port), timeout=10)
-            sock.settimeout(None)
-            return Conn(sock, name=name)
-        except OSError as e:
-            if time.time() > deadline:
-                raise RuntimeError(f"cannot reach {name} at {address} within {timeout:.0f} s: {e}")
-            time.sleep(0.2)

@@ -26,6 +26,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -152,3 +153,18 @@ def parse_address(text: str) -> tuple[str, int]:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"`{text}` is not an address; write HOST:PORT, e.g. 127.0.0.1:7000")
     return host, int(port)
+
+
+def connect(address: str, name: str, timeout: float) -> Conn:
+    """Connects to `address`, retrying until `timeout` seconds have passed."""
+    host, port = parse_address(address)
+    deadline = time.time() + timeout
+    while True:
+        try:
+            sock = socket.create_connection((host, port), timeout=10)
+            sock.settimeout(None)
+            return Conn(sock, name=name)
+        except OSError as e:
+            if time.time() > deadline:
+                raise RuntimeError(f"cannot reach {name} at {address} within {timeout:.0f} s: {e}")
+            time.sleep(0.2)

@@ -23,9 +23,9 @@ import time
 import numpy as np
 
 from kernjax.runner import Runner
-from kernjax.serve.head import _connect, log_item
-from kernjax.serve.protocol import Closed, Conn, ProtocolError
+from kernjax.serve.protocol import Closed, Conn, ProtocolError, connect
 from kernjax.serve.transport import HostTransport
+from kernjax.timeline import log_item
 
 
 def _slots(xs):
@@ -46,7 +46,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         die(f"`{art.path}` is stage 0, the head: start it with --pp_listen")
     try:
         server = socket.create_server((host, 0))
-        hconn = _connect(head, "the head", startup_timeout)
+        hconn = connect(head, "the head", startup_timeout)
         fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
         hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
                              "pages": art.item.pages, "listen": server.getsockname()[1],
@@ -64,7 +64,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             if table["next"]["arrivals"] != _slots(art.departures):
                 die(f"stage {s + 1} takes {table['next']['arrivals']}; this stage departs "
                     f"{_slots(art.departures)}")
-            nxt = HostTransport(_connect(table["next"]["address"], f"stage {s + 1}", 60),
+            nxt = HostTransport(connect(table["next"]["address"], f"stage {s + 1}", 60),
                                 art.departures)
         server.settimeout(60)
         sock, _ = server.accept()
