@@ -88,10 +88,14 @@ def test_cli_cut_then_chain_passes(tmp_path):
 
 
 def test_cli_run_whole_and_stages_agree(tmp_path):
+    """`run --model` builds its whole program for the prompt (one sequence, context rounded up to
+    a page); a cut of that same shape must give the same bytes."""
     st = tmp_path / "st"
-    assert _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st),
-                "--chunk", "16", "--context", "256").returncode == 0
-    toks = " ".join(map(str, prompts(16, CFG.vocab)[4]))
+    prompt = prompts(16, CFG.vocab)[4]
+    context = -(-len(prompt) // 16) * 16
+    assert _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
+                "16", "--seqs", "1", "--context", str(context)).returncode == 0
+    toks = " ".join(map(str, prompt))
     a = _cli("kernjax.run", "--model", "qwen3-tiny", "--tokens", toks, "--chunk", "16",
              "--save", str(tmp_path / "a.npz"))
     b = _cli("kernjax.run", "--stages", str(st), "--tokens", toks, "--save", str(tmp_path / "b.npz"))
