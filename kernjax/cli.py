@@ -175,27 +175,24 @@ def run_main():
         if bool(FLAGS.prompt) == bool(FLAGS.tokens):
             raise ValueError("give exactly one of --prompt TEXT or --tokens \"1 2 3\"")
         if FLAGS.stages:
+            if FLAGS.model:
+                raise ValueError("--stages names the model already; drop --model")
             sd = Path(FLAGS.stages)
             m = artifacts.read(sd / stage_names(sd)[0]).manifest
             ref_dir = Path(FLAGS.weights) if FLAGS.weights else checkpoint_dir(m["checkpoint"])
-            if FLAGS.model:
-                raise ValueError("--stages names the model already; drop --model")
+            tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
             pipe = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
                              cache={})
-            vocab = m["model"]["config"]["vocab"]
         else:
             fam, cfg, ref, dtype = source()
-            ref_dir = Path(ref["dir"]) if "dir" in ref else None
-            n = len(_prompt_tokens(ref_dir)) if FLAGS.prompt else len(FLAGS.tokens.split())
-            rows = FLAGS.chunk or 512
-            context = max(fam.PAGE, -(-n // fam.PAGE) * fam.PAGE)
-            with tempfile.TemporaryDirectory() as tmp:
-                art = whole_artifact(fam, cfg, ref, dtype, rows=rows, seqs=1, context=context,
-                                     out=Path(tmp) / "whole")
             ref_dir = checkpoint_dir(ref)
+            tokens = _prompt(ref_dir, cfg.vocab)
+            # The smallest whole program that holds the prompt: one sequence, whole pages.
+            context = -(-len(tokens) // fam.PAGE) * fam.PAGE
+            with tempfile.TemporaryDirectory() as tmp:
+                art = whole_artifact(fam, cfg, ref, dtype, rows=FLAGS.chunk or 512, seqs=1,
+                                     context=context, out=Path(tmp) / "whole")
             pipe = Pipeline([Runner(art, load_weights(art, ref_dir))])
-            vocab = cfg.vocab
-        tokens = _prompt_tokens(ref_dir) if FLAGS.prompt else _parse_tokens(FLAGS.tokens, vocab)
         t0 = time.time()
         out = None
         for out in pipe.prefill(tokens, chunk=FLAGS.chunk):
@@ -213,14 +210,25 @@ def run_main():
     return main
 
 
-def _parse_tokens(text: str, vocab: int) -> list[int]:
-    try:
-        toks = [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise ValueError(f"--tokens `{text}`: give token ids separated by spaces") from None
+def _prompt(ckpt: Path, vocab: int) -> list[int]:
+    """The prompt of --prompt (through the checkpoint's tokenizer) or --tokens, checked."""
+    if FLAGS.prompt:
+        tok = _tokenizer(ckpt)
+        if tok is None:
+            raise ValueError("--prompt needs the checkpoint's tokenizer.json, and this checkpoint "
+                             "has none; pass --tokens \"1 2 3\" instead")
+        toks = tok.encode(FLAGS.prompt, add_special_tokens=False).ids
+    else:
+        try:
+            toks = [int(t) for t in FLAGS.tokens.replace(",", " ").split()]
+        except ValueError:
+            raise ValueError(f"--tokens `{FLAGS.tokens}`: give token ids separated by spaces") \
+                from None
+    if not toks:
+        raise ValueError("the prompt is empty; give at least one token")
     bad = [t for t in toks if not 0 <= t < vocab]
     if bad:
-        raise ValueError(f"--tokens: ids {bad[:5]} are outside the vocabulary 0..{vocab - 1}")
+        raise ValueError(f"the prompt has ids {bad[:5]} outside the vocabulary 0..{vocab - 1}")
     return toks
 
 
@@ -229,14 +237,6 @@ def _tokenizer(ckpt: Path | None):
         return None
     from tokenizers import Tokenizer
     return Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-
-
-def _prompt_tokens(ckpt: Path | None) -> list[int]:
-    tok = _tokenizer(ckpt)
-    if tok is None:
-        raise ValueError("--prompt needs the checkpoint's tokenizer.json, and this checkpoint has "
-                         "none; pass --tokens \"1 2 3\" instead")
-    return tok.encode(FLAGS.prompt, add_special_tokens=False).ids
 
 
 def _decode(ckpt: Path | None, token: int) -> str | None:

@@ -19,3 +19,14 @@ def prompts(chunk: int, vocab: int) -> list[list[int]]:
     rng = np.random.default_rng(chunk)
     lengths = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 7, 1000, 2049]
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
+
+
+def add_tokenizer(ckpt, vocab: int) -> None:
+    """Writes a word-level `tokenizer.json` (`w0` .. `w{vocab-1}`, split on whitespace) into a
+    checkpoint directory, so text prompts can be tested without a hub download."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece()
+    tok.save(str(ckpt / "tokenizer.json"))

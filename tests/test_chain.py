@@ -17,7 +17,7 @@ from kernjax.cut import cut, whole
 from kernjax.item import item_shape
 from kernjax.run import Pipeline
 from kernjax.runner import Runner, checkpoint_dir, load_weights
-from tests.conftest import prompts
+from tests.conftest import add_tokenizer, prompts
 
 FAM, CFG = models.named("qwen3-tiny")
 CONTEXT = 2560
@@ -141,3 +141,19 @@ def test_dtype_contradicting_the_artifact_is_refused(tmp_path):
     assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
     p = _cli("kernjax.run", "--stages", str(st), "--tokens", " ".join(["1"] * 65))
     assert p.returncode == 2 and "context is 64" in p.stderr, p.stderr
+
+
+def test_cli_run_text_prompt_goes_through_the_tokenizer(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    assert _cli("kernjax.weights", "random", "--model", "qwen3-tiny", "--out",
+                str(ckpt)).returncode == 0
+    add_tokenizer(ckpt, CFG.vocab)
+    a = _cli("kernjax.run", "--weights", str(ckpt), "--prompt", "w5 w6 w7", "--save",
+             str(tmp_path / "a.npz"))
+    b = _cli("kernjax.run", "--weights", str(ckpt), "--tokens", "5 6 7", "--save",
+             str(tmp_path / "b.npz"))
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    token = int(np.load(tmp_path / "b.npz")["token"])
+    assert f"prompt: 3 tokens; first token: {token} 'w{token}'" in a.stdout, a.stdout
+    assert np.load(tmp_path / "a.npz")["logits"].tobytes() == \
+        np.load(tmp_path / "b.npz")["logits"].tobytes()

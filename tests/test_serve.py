@@ -18,6 +18,7 @@ import aiohttp
 import pytest
 
 from kernjax import models
+from tests.conftest import add_tokenizer
 
 _, CFG = models.named("qwen3-tiny")
 CONTEXT = 512
@@ -46,9 +47,9 @@ class Pipeline:
     def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60):
         self.port, pp = _port(), _port()
         self.http = f"http://127.0.0.1:{self.port}"
-        if stages == 1:
-            self.procs = [Proc(["--stage_dir", str(cut / "whole"), "--port", str(self.port)],
-                               tmp / "whole.log")]
+        if stages == 1:  # flags from a file, as absl allows
+            (tmp / "whole.flags").write_text(f"--stage_dir={cut / 'whole'}\n--port={self.port}\n")
+            self.procs = [Proc([f"--flagfile={tmp / 'whole.flags'}"], tmp / "whole.log")]
         else:
             self.procs = [Proc(["--stage_dir", str(cut / "stage0"), "--pp_listen",
                                 f"127.0.0.1:{pp}", "--port", str(self.port),
@@ -279,3 +280,27 @@ def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path):
             real.p.kill()
     finally:
         head.p.kill()
+
+
+def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model", "qwen3-tiny",
+                        "--out", str(ckpt)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    add_tokenizer(ckpt, CFG.vocab)
+    port = _port()
+    proc = Proc(["--weights", str(ckpt), "--port", str(port), "--chunk", "32", "--context", "64"],
+                tmp_path / "serve.log")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 120
+        while "serving" not in proc.text() and time.time() < deadline and proc.p.poll() is None:
+            time.sleep(0.3)
+        (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7"}))
+        (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7]}))
+        assert s1 == s2 == 200, (text, ids, proc.text())
+        token = ids["choices"][0]["token_ids"][0]
+        assert text["choices"][0]["token_ids"] == [token]
+        assert text["choices"][0]["text"] == f"w{token}" and text["usage"]["prompt_tokens"] == 3
+    finally:
+        proc.p.kill()
