@@ -157,3 +157,13 @@ def test_cli_run_text_prompt_goes_through_the_tokenizer(tmp_path):
     assert f"prompt: 3 tokens; first token: {token} 'w{token}'" in a.stdout, a.stdout
     assert np.load(tmp_path / "a.npz")["logits"].tobytes() == \
         np.load(tmp_path / "b.npz")["logits"].tobytes()
+
+
+def test_the_same_cut_writes_the_same_bytes(tmp_path):
+    for out in ("a", "b"):
+        assert _cli("kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out",
+                    str(tmp_path / out), "--chunk", "16", "--context", "64").returncode == 0
+    for stage in ("stage0", "stage1", "whole"):
+        for f in ("manifest.json", "program.jaxexport"):
+            assert (tmp_path / "a" / stage / f).read_bytes() == \
+                (tmp_path / "b" / stage / f).read_bytes(), f"{stage}/{f}"

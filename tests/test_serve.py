@@ -304,3 +304,25 @@ def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
         assert text["choices"][0]["text"] == f"w{token}" and text["usage"]["prompt_tokens"] == 3
     finally:
         proc.p.kill()
+
+
+def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_path):
+    pp, port = _port(), _port()
+    head = Proc(["--stage_dir", str(cuts[3] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
+                 "--port", str(port), "--startup_timeout", "8"], tmp_path / "head.log")
+    first = Proc(["--stage_dir", str(cuts[3] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
+                 tmp_path / "first.log")
+    try:
+        deadline = time.time() + 60
+        while "stage 1 joined" not in head.text() and time.time() < deadline:
+            time.sleep(0.2)
+        again = Proc(["--stage_dir", str(cuts[3] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
+                     tmp_path / "again.log")
+        assert _wait(again, 60) == 1
+        assert "stage 1 has joined already" in again.text(), again.text()
+        assert _wait(head, 30) == 2, head.text()
+        assert "stages [2] did not join within 8 s" in head.text(), head.text()
+        assert _wait(first, 30) not in (None, 0)
+    finally:
+        head.p.kill()
+        first.p.kill()
