@@ -51,7 +51,7 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _source_flags() -> None:
+def source_flags() -> None:
     flags.DEFINE_string("model", None, "a named model, with random weights")
     flags.DEFINE_string("weights", None, "a Hugging Face checkpoint directory")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "compute dtype; default: the "
@@ -98,7 +98,7 @@ def parse_at(text: str, calls) -> list[int]:
 
 
 def cut_main():
-    _source_flags()
+    source_flags()
     flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated")
     flags.DEFINE_string("out", None, "directory for stage0/ .. stageN/ and whole/")
     flags.DEFINE_integer("chunk", 512, "rows per run of the program")
@@ -160,7 +160,7 @@ def stage_names(stages_dir: Path) -> list[str]:
 
 
 def run_main():
-    _source_flags()
+    source_flags()
     flags.DEFINE_string("prompt", None, "a text prompt (needs the checkpoint's tokenizer.json)")
     flags.DEFINE_string("tokens", None, "a prompt as token ids: \"1 2 3\"")
     flags.DEFINE_integer("chunk", None, "rows per chunk (default 512, or the stages' rows)")
@@ -213,7 +213,7 @@ def run_main():
 def _prompt(ckpt: Path, vocab: int) -> list[int]:
     """The prompt of --prompt (through the checkpoint's tokenizer) or --tokens, checked."""
     if FLAGS.prompt:
-        tok = _tokenizer(ckpt)
+        tok = tokenizer(ckpt)
         if tok is None:
             raise ValueError("--prompt needs the checkpoint's tokenizer.json, and this checkpoint "
                              "has none; pass --tokens \"1 2 3\" instead")
@@ -232,7 +232,8 @@ def _prompt(ckpt: Path, vocab: int) -> list[int]:
     return toks
 
 
-def _tokenizer(ckpt: Path | None):
+def tokenizer(ckpt: Path | None):
+    """The checkpoint's `tokenizer.json` (the tokenizers library), or None when it has none."""
     if ckpt is None or not (ckpt / "tokenizer.json").is_file():
         return None
     from tokenizers import Tokenizer
@@ -240,7 +241,7 @@ def _tokenizer(ckpt: Path | None):
 
 
 def _decode(ckpt: Path | None, token: int) -> str | None:
-    tok = _tokenizer(ckpt)
+    tok = tokenizer(ckpt)
     return tok.decode([token]) if tok else None
 
 

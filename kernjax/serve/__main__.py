@@ -22,7 +22,7 @@ FLAGS = flags.FLAGS
 
 
 def serve_main():
-    cli._source_flags()
+    cli.source_flags()
     flags.DEFINE_string("stage_dir", None, "a stage directory made by `kernjax.cut` (or whole/)")
     flags.DEFINE_string("pp_listen", None, "head: where the other stages join (HOST:PORT)")
     flags.DEFINE_string("pp_head", None, "a stage past 0: the head's --pp_listen address")
@@ -74,7 +74,7 @@ def serve_main():
                     metrics=metrics)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
-                       tokenizer=cli._tokenizer(ckpt), metrics=metrics)
+                       tokenizer=cli.tokenizer(ckpt), metrics=metrics)
         what = "the whole program" if art.stages == 1 else f"{art.stages} stages"
         print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on "
               f"http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
