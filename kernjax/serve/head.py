@@ -283,8 +283,8 @@ class Head:
                 self._answer(header["item"], arrays["next_token"], header.get("busy_us", []),
                              header.get("rows", 0))
         except (Closed, ProtocolError, OSError) as e:
-            msg = str(e) if isinstance(e, ProtocolError) else f"stage {s} closed its connection ({e})"
-            self.fail(msg)
+            # Closed and ProtocolError name the stage already ("stage 1 closed the connection").
+            self.fail(str(e) if isinstance(e, (Closed, ProtocolError)) else f"stage {s}: {e}")
 
     def _heartbeat(self) -> None:
         period = max(0.2, self.stage_timeout / 4)
