@@ -326,3 +326,22 @@ def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_
     finally:
         head.p.kill()
         first.p.kill()
+
+
+def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
+    pp, port = _port(), _port()
+    head = Proc(["--stage_dir", str(cuts[2] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
+                 "--port", str(port)], tmp_path / "head.log")
+    stage = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", f"127.0.0.1:{pp}",
+                  "--max_frame", "4096"], tmp_path / "stage1.log")
+    try:
+        deadline = time.time() + 60
+        while "serving" not in head.text() and time.time() < deadline:
+            time.sleep(0.2)
+        (status, r), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2, 3]}))
+        assert status == 503 and "stage 1" in r["error"]["message"], r
+        assert _wait(stage, 15) == 1
+        assert "over the limit of 4096 bytes (--max_frame)" in stage.text(), stage.text()
+    finally:
+        head.p.kill()
+        stage.p.kill()

@@ -36,6 +36,8 @@ def serve_main():
     flags.DEFINE_integer("chunk", 512, "rows per item, for --model/--weights")
     flags.DEFINE_integer("seqs", 4, "sequences per item, for --model/--weights")
     flags.DEFINE_integer("context", 4096, "longest prompt, for --model/--weights")
+    flags.DEFINE_integer("max_frame", 256 << 20, "largest frame (bytes) a process accepts from a "
+                         "peer; raise it for items whose activations are larger")
 
     def main():
         from aiohttp import web
@@ -64,14 +66,14 @@ def serve_main():
                                  "--pp_head HOST:PORT (the head's --pp_listen)")
             runner.warm()
             serve_stage(runner, head=FLAGS.pp_head, host=FLAGS.host,
-                        startup_timeout=FLAGS.startup_timeout)
+                        startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame)
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
         runner.warm()
         metrics = Metrics()
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
                     stage_timeout=FLAGS.stage_timeout, startup_timeout=FLAGS.startup_timeout,
-                    metrics=metrics)
+                    max_frame=FLAGS.max_frame, metrics=metrics)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=cli.tokenizer(ckpt), metrics=metrics)

@@ -37,7 +37,8 @@ from kernjax.item import Piece, make_item
 from kernjax.pool import Pool
 from kernjax.runner import Runner
 from kernjax.serve.pack import Waiting, admissible, full, pack
-from kernjax.serve.protocol import Closed, Conn, ProtocolError, connect, parse_address
+from kernjax.serve.protocol import (MAX_FRAME, Closed, Conn, ProtocolError, connect,
+                                    parse_address)
 from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
@@ -64,11 +65,11 @@ class Head:
 
     def __init__(self, runner: Runner, *, listen: str | None = None, max_seqs: int = 256,
                  stage_timeout: float = 60.0, startup_timeout: float = 600.0,
-                 metrics=None, on_exit=None):
+                 max_frame: int = MAX_FRAME, metrics=None, on_exit=None):
         self.runner, self.art = runner, runner.art
         self.shape = self.art.item
         self.stages = self.art.stages
-        self.max_seqs, self.stage_timeout = max_seqs, stage_timeout
+        self.max_seqs, self.stage_timeout, self.max_frame = max_seqs, stage_timeout, max_frame
         self.metrics = metrics
         self.on_exit = on_exit or (lambda code: os._exit(code))
         self.cond = threading.Condition()
@@ -111,7 +112,7 @@ class Head:
                 sock, peer = server.accept()
             except TimeoutError:
                 continue
-            conn = Conn(sock, name=f"connection from {peer[0]}:{peer[1]}")
+            conn = Conn(sock, name=f"connection from {peer[0]}:{peer[1]}", limit=self.max_frame)
             sock.settimeout(10.0)
             try:
                 hello, _ = conn.expect("HELLO")
@@ -145,8 +146,8 @@ class Head:
             self.fills[s] = hello["fills"]
             self.seen[s] = time.time()
         one = hellos[1][1]
-        self.next = HostTransport(connect(f"{hellos[1][2]}:{one['listen']}", "stage 1", 60),
-                                  self.art.departures)
+        self.next = HostTransport(connect(f"{hellos[1][2]}:{one['listen']}", "stage 1", 60,
+                                          limit=self.max_frame), self.art.departures)
         for s, conn in self.conns.items():
             threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}", daemon=True).start()
         return pages

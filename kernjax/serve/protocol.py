@@ -155,7 +155,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(address: str, name: str, timeout: float) -> Conn:
+def connect(address: str, name: str, timeout: float, *, limit: int = MAX_FRAME) -> Conn:
     """Connects to `address`, retrying until `timeout` seconds have passed."""
     host, port = parse_address(address)
     deadline = time.time() + timeout
@@ -163,7 +163,7 @@ def connect(address: str, name: str, timeout: float) -> Conn:
         try:
             sock = socket.create_connection((host, port), timeout=10)
             sock.settimeout(None)
-            return Conn(sock, name=name)
+            return Conn(sock, name=name, limit=limit)
         except OSError as e:
             if time.time() > deadline:
                 raise RuntimeError(f"cannot reach {name} at {address} within {timeout:.0f} s: {e}")

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from kernjax.runner import Runner
-from kernjax.serve.protocol import Closed, Conn, ProtocolError, connect
+from kernjax.serve.protocol import MAX_FRAME, Closed, Conn, ProtocolError, connect
 from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
@@ -33,7 +33,7 @@ def _slots(xs):
 
 
 def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
-                startup_timeout: float = 600.0) -> None:
+                startup_timeout: float = 600.0, max_frame: int = MAX_FRAME) -> None:
     """Runs stage `runner` of a pipeline whose head listens at `head`; returns never."""
     art = runner.art
     s, last = art.index, art.index == art.stages - 1
@@ -46,7 +46,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         die(f"`{art.path}` is stage 0, the head: start it with --pp_listen")
     try:
         server = socket.create_server((host, 0))
-        hconn = connect(head, "the head", startup_timeout)
+        hconn = connect(head, "the head", startup_timeout, limit=max_frame)
         fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
         hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
                              "pages": art.item.pages, "listen": server.getsockname()[1],
@@ -64,12 +64,12 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             if table["next"]["arrivals"] != _slots(art.departures):
                 die(f"stage {s + 1} takes {table['next']['arrivals']}; this stage departs "
                     f"{_slots(art.departures)}")
-            nxt = HostTransport(connect(table["next"]["address"], f"stage {s + 1}", 60),
-                                art.departures)
+            nxt = HostTransport(connect(table["next"]["address"], f"stage {s + 1}", 60,
+                                        limit=max_frame), art.departures)
         server.settimeout(60)
         sock, _ = server.accept()
         sock.settimeout(None)
-        prev = HostTransport(Conn(sock, name=f"stage {s - 1}"), art.arrivals)
+        prev = HostTransport(Conn(sock, name=f"stage {s - 1}", limit=max_frame), art.arrivals)
         server.close()
     except (OSError, RuntimeError, ProtocolError, Closed) as e:
         die(f"cannot join the pipeline: {e}")
