@@ -40,6 +40,21 @@ class Proc:
     def text(self) -> str:
         return self.log.read_text()
 
+    def wait_for(self, words: str, seconds: float = 60) -> None:
+        """Until the log says `words`, the process ends, or `seconds` pass."""
+        deadline = time.time() + seconds
+        while words not in self.text() and time.time() < deadline and self.p.poll() is None:
+            time.sleep(0.2)
+
+
+def _head(stage_dir: Path, pp: int, port: int, log: Path, *extra: str) -> Proc:
+    return Proc(["--stage_dir", str(stage_dir), "--pp_listen", f"127.0.0.1:{pp}",
+                 "--port", str(port), *extra], log)
+
+
+def _joiner(stage_dir: Path, pp: int, log: Path, *extra: str) -> Proc:
+    return Proc(["--stage_dir", str(stage_dir), "--pp_head", f"127.0.0.1:{pp}", *extra], log)
+
 
 class Pipeline:
     """A head and its stages, started from one cut directory; stopped at the end."""
@@ -51,11 +66,9 @@ class Pipeline:
             (tmp / "whole.flags").write_text(f"--stage_dir={cut / 'whole'}\n--port={self.port}\n")
             self.procs = [Proc([f"--flagfile={tmp / 'whole.flags'}"], tmp / "whole.log")]
         else:
-            self.procs = [Proc(["--stage_dir", str(cut / "stage0"), "--pp_listen",
-                                f"127.0.0.1:{pp}", "--port", str(self.port),
-                                "--stage_timeout", str(timeout)], tmp / "stage0.log")]
-            self.procs += [Proc(["--stage_dir", str(cut / f"stage{s}"), "--pp_head",
-                                 f"127.0.0.1:{pp}"], tmp / f"stage{s}.log")
+            self.procs = [_head(cut / "stage0", pp, self.port, tmp / "stage0.log",
+                                "--stage_timeout", str(timeout))]
+            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log")
                            for s in range(1, stages)]
         self.pp = pp
         deadline = time.time() + 120
@@ -253,25 +266,18 @@ async def _one(url, body):
 def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path):
     other = _cut(tmp_path / "other", "2")  # another cut: another id
     port, pp = _port(), _port()
-    head = Proc(["--stage_dir", str(cuts[2] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
-                 "--port", str(port)], tmp_path / "head.log")
+    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "head.log")
     try:
-        deadline = time.time() + 60
-        while "waiting for stages" not in head.text() and time.time() < deadline:
-            time.sleep(0.2)
+        head.wait_for("waiting for stages")
         with socket.create_connection(("127.0.0.1", pp)) as s:
             s.sendall(b"GET / HTTP/1.1\r\n\r\n")
             time.sleep(0.5)
-        foreign = Proc(["--stage_dir", str(other / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
-                       tmp_path / "foreign.log")
+        foreign = _joiner(other / "stage1", pp, tmp_path / "foreign.log")
         assert _wait(foreign, 60) == 1
         assert "belongs to cut" in foreign.text(), foreign.text()
-        real = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
-                    tmp_path / "real.log")
+        real = _joiner(cuts[2] / "stage1", pp, tmp_path / "real.log")
         try:
-            deadline = time.time() + 60
-            while "serving" not in head.text() and time.time() < deadline:
-                time.sleep(0.2)
+            head.wait_for("serving")
             log = head.text()
             assert "not a kernjax frame" in log and "belongs to cut" in log, log
             (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
@@ -293,9 +299,7 @@ def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
                 tmp_path / "serve.log")
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 120
-        while "serving" not in proc.text() and time.time() < deadline and proc.p.poll() is None:
-            time.sleep(0.3)
+        proc.wait_for("serving", 120)
         (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7"}))
         (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7]}))
         assert s1 == s2 == 200, (text, ids, proc.text())
@@ -308,16 +312,11 @@ def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
 
 def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_path):
     pp, port = _port(), _port()
-    head = Proc(["--stage_dir", str(cuts[3] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
-                 "--port", str(port), "--startup_timeout", "8"], tmp_path / "head.log")
-    first = Proc(["--stage_dir", str(cuts[3] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
-                 tmp_path / "first.log")
+    head = _head(cuts[3] / "stage0", pp, port, tmp_path / "head.log", "--startup_timeout", "8")
+    first = _joiner(cuts[3] / "stage1", pp, tmp_path / "first.log")
     try:
-        deadline = time.time() + 60
-        while "stage 1 joined" not in head.text() and time.time() < deadline:
-            time.sleep(0.2)
-        again = Proc(["--stage_dir", str(cuts[3] / "stage1"), "--pp_head", f"127.0.0.1:{pp}"],
-                     tmp_path / "again.log")
+        head.wait_for("stage 1 joined")
+        again = _joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
         assert _wait(again, 60) == 1
         assert "stage 1 has joined already" in again.text(), again.text()
         assert _wait(head, 30) == 2, head.text()
@@ -330,14 +329,10 @@ def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_
 
 def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
     pp, port = _port(), _port()
-    head = Proc(["--stage_dir", str(cuts[2] / "stage0"), "--pp_listen", f"127.0.0.1:{pp}",
-                 "--port", str(port)], tmp_path / "head.log")
-    stage = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", f"127.0.0.1:{pp}",
-                  "--max_frame", "4096"], tmp_path / "stage1.log")
+    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "head.log")
+    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "stage1.log", "--max_frame", "4096")
     try:
-        deadline = time.time() + 60
-        while "serving" not in head.text() and time.time() < deadline:
-            time.sleep(0.2)
+        head.wait_for("serving")
         (status, r), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2, 3]}))
         assert status == 503 and "stage 1" in r["error"]["message"], r
         assert _wait(stage, 15) == 1
