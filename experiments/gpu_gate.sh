@@ -1,59 +1,78 @@
 #!/usr/bin/env bash
-# The GPU gates in one device call: build kernjax with nvcc, run the tests on the GPU, cut a
-# random-weight qwen3-4b (bf16) at layer 18 and at a mid-layer call, run the chain gate at the
-# given chunk sizes, and measure what the call boundaries cost. Everything lands under $OUT.
+# The GPU gates and benchmarks in one device call. Steps, in the order given:
 #
-#   bash experiments/gpu_gate.sh "512 64" tests bench
+#   tests      the GPU tests (attention kernel, cut, parity, FFI, whole vs stages in separate processes)
+#   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
+#   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, 512 and 2048 rows
+#   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
+#   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
-# First argument: chunk sizes; then any of `tests` and `bench`. Random weights are cached under
-# .kjcache/ (git-ignored), which a warm device machine keeps between calls.
+#   OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill
+#
+# A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
+# $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
+# under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 KERNJAX_CACHE=$PWD/.kjcache XLA_PYTHON_CLIENT_PREALLOCATE=false
-chunks=${1:-"512 64"}
-shift || true
+CHUNKS=${CHUNKS:-"512 64"}
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
+say() { tee -a "$OUT/gate.log"; }
+pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs; }
+trap pack EXIT
 
 {
-  log "machine"
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  log "machine, commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
   python -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
   nvcc --version | tail -1
-} 2>&1 | tee -a "$OUT/gate.log"
+} 2>&1 | say
 
 log "build"
-python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -20 "$OUT/build.log"; exit 1; }
-python -c 'import kernjax.ffi as f; print("extension cuda:", f.has_cuda())' | tee -a "$OUT/gate.log"
+python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/logs/build.log" 2>&1 \
+  || { tail -20 "$OUT/logs/build.log"; exit 1; }
+python -c 'import kernjax.ffi as f; print("extension cuda:", f.has_cuda())' 2>&1 | say
 
-for arg in "$@"; do
-  if [ "$arg" = tests ]; then
+for step in "$@"; do
+  case $step in
+  tests)
     log "tests on the GPU"
-    python -m pytest -q tests/test_ffi.py tests/test_parity.py tests/test_cut.py 2>&1 | tail -5 | tee -a "$OUT/gate.log"
-  fi
-done
-
-for c in $chunks; do
-  python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/prompts$c.txt"
-  for at in 18 c226; do
-    log "cut qwen3-4b --at $at --chunk $c"
-    python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
-      > "$OUT/cut-$at-$c.txt" 2>&1 || { tail "$OUT/cut-$at-$c.txt"; exit 1; }
-    tail -3 "$OUT/cut-$at-$c.txt" | tee -a "$OUT/gate.log"
-    log "chain --at $at --chunk $c"
-    python -m kernjax.chain --stages "cuts/$at-$c" --prompts "$OUT/prompts$c.txt" --chunk "$c" \
-      2>&1 | grep -v "^loading weights" | tee -a "$OUT/gate.log"
-    rm -rf "cuts/$at-$c"
-  done
-done
-
-for arg in "$@"; do
-  if [ "$arg" = bench ]; then
+    python -m pytest -q tests/test_attention_pallas.py tests/test_attention.py tests/test_cut.py \
+      tests/test_processes.py tests/test_ffi.py tests/test_parity.py > "$OUT/logs/tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say ;;
+  attention)
+    log "attention kernel"
+    python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \
+      > "$OUT/logs/attention.log" 2>&1
+    tail -14 "$OUT/logs/attention.log" | say ;;
+  bounds)
     log "boundary cost"
-    for r in ${BENCH_ROWS:-512 2048}; do
-      python experiments/boundaries.py --model qwen3-4b --rows "$r" --context 4096 2>&1 | tail -1 | tee -a "$OUT/gate.log"
-    done
-  fi
+    for r in 512 2048; do
+      python experiments/boundaries.py --model qwen3-4b --rows "$r" --context 8192 \
+        > "$OUT/logs/bounds-$r.log" 2>&1
+      tail -1 "$OUT/logs/bounds-$r.log" | say
+    done ;;
+  chain)
+    for c in $CHUNKS; do
+      python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
+      for at in 18 c226 12,24; do
+        log "chain qwen3-4b --at $at --chunk $c"
+        python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
+          > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
+        grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
+        python -m kernjax.chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \
+          > "$OUT/logs/chain-$at-$c.log" 2>&1
+        grep -vE "^loading weights" "$OUT/logs/chain-$at-$c.log" | tail -8 | say
+        rm -rf "cuts/$at-$c"
+      done
+    done ;;
+  prefill)
+    log "prefill benchmark"
+    python experiments/prefill.py --out "$OUT/prefill" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+    tail -40 "$OUT/logs/prefill.log" | say ;;
+  *) echo "unknown step $step" | say ;;
+  esac
 done
 log "done"

@@ -4,16 +4,15 @@ reproduce the whole bit for bit.
 The public surface, loaded on first use so that `python -m kernjax.cut` and the other shells do
 not import their own module twice.
 
-Importing kernjax adds `--xla_gpu_deterministic_ops=true` to `XLA_FLAGS` before jax creates its
-backend: it turns GPU autotuning off, so the whole program and every stage, compiled separately,
-pick the same kernel for the same call (docs/bitwise.md). Import kernjax before using jax's devices.
+Importing kernjax points XLA's GPU autotune cache and JAX's compilation cache at kernjax's cache
+before jax creates its backend (`kernjax/xla.py`): the whole program and every stage, compiled in
+separate processes, then pick the same kernel for the same call (docs/bitwise.md). Import kernjax
+before using jax's devices.
 """
 
-import os as _os
+from kernjax import xla as _xla
 
-_DETERMINISTIC = "--xla_gpu_deterministic_ops=true"
-if _DETERMINISTIC not in _os.environ.get("XLA_FLAGS", ""):
-    _os.environ["XLA_FLAGS"] = f"{_os.environ.get('XLA_FLAGS', '')} {_DETERMINISTIC}".strip()
+_xla.configure()
 
 _PUBLIC = {
     "CutError": "kernjax.cut",

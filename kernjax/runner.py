@@ -5,8 +5,8 @@ happen in place, puts the kept weights on the device, allocates the states (zero
 fills and tables from the item, arrivals from the stage before, departures to the stage after.
 Before anything compiles it checks the weights against the manifest, tensor by tensor.
 
-The XLA flags that keep compilation deterministic are set when kernjax is imported
-(`kernjax/__init__.py`).
+The program is compiled when the stage opens, under `xla.compile_lock`, so that every process of
+a cut reads the same autotuning choices (`kernjax/xla.py`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import numpy as np
 
 from kernjax import stage as artifacts
 from kernjax import weights as ckpts
+from kernjax import xla
 from kernjax.item import make_item
 
 
@@ -70,7 +71,10 @@ class Runner:
         self.states = {}
         self.reset()
         donate = tuple(i for i, s in enumerate(art.inputs) if s.role == "state")
-        self.fn = jax.jit(art.exported.call, donate_argnums=donate)
+        specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
+                 for s in (*art.inputs, *art.arrivals)]
+        with xla.compile_lock():
+            self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile()
         self.needs = [s for s in art.inputs if s.role in ("fill", "table")]
 
     def reset(self) -> None:

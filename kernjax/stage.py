@@ -19,15 +19,17 @@ import os
 from pathlib import Path
 
 import jax
-import jax.extend.core as jex
 from jax import export
 
 from kernjax.cut import Stage
 from kernjax.item import Shape
-from kernjax.trace import Slot
+from kernjax.trace import Slot, as_function
 
 FORMAT = 1
 PROGRAM = "program.jaxexport"
+# Custom calls jax.export refuses by default because their encoding may change between releases
+# (Pallas' Triton kernels). An artifact is read only by the jax version that wrote it, so they are safe.
+UNSTABLE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
 class ArtifactError(ValueError):
@@ -80,11 +82,13 @@ def _unslots(xs) -> tuple[Slot, ...]:
     return tuple(Slot(d["name"], d["role"], d["dtype"], tuple(d["shape"])) for d in xs)
 
 
-def export_stage(stage: Stage) -> export.Exported:
-    """The stage's jaxpr exported for this platform's devices."""
-    fn = jax.jit(jex.jaxpr_as_fun(stage.jaxpr))
+def export_stage(stage: Stage, platform: str | None = None) -> export.Exported:
+    """The stage's jaxpr exported for `platform` (default: this process's devices), each call
+    lowered as that platform needs it (`trace.as_function`)."""
+    platform = platform or export.default_export_platform()
+    fn = jax.jit(as_function(stage.jaxpr, platform))
     specs = [s.spec() for s in (*stage.inputs, *stage.arrivals)]
-    return export.export(fn, platforms=[export.default_export_platform()])(*specs)
+    return export.export(fn, platforms=[platform], disabled_checks=UNSTABLE)(*specs)
 
 
 def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,

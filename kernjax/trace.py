@@ -2,10 +2,13 @@
 
 A *call* is the unit a cut respects, as a kernel call is in a kern manifest. `call(name, fn)`
 wraps `fn` in a nested `jax.jit` with `inline=jax.Inline.XLA_LATE`, so that traced it is exactly
-one top-level `jit` equation whose `name` param is the call's name. The same wrapper is what keeps
-a cut from changing arithmetic: XLA compiles the nested function as its own computation, so no
-fusion crosses a call boundary and no value keeps excess precision across one, in the whole
-program and in every stage alike (docs/bitwise.md).
+one top-level `jit` equation whose `name` param is the call's name. The jaxpr (and so the cut id)
+is the same on every platform; how a call is *lowered* is not (`as_function`, docs/bitwise.md):
+on the CPU the `XLA_LATE` call itself, compiled as its own computation; on a GPU, where XLA
+compiles an `XLA_LATE` body almost raw (no cuBLAS, one kernel per op), the body inlined early and
+fenced by `optimization_barrier` on its inputs and outputs, so XLA optimizes inside the call and
+fuses nothing across its edges. Either way no value keeps excess precision across a call, in the
+whole program and in every stage alike.
 
 A call that updates a state in place declares it with `state=k`: its first `k` arguments are
 states and its first `k` results are their new versions. The declaration travels in the jaxpr
@@ -108,6 +111,43 @@ class Program:
         """The program as text: the jaxpr and the roles. Stable across processes; the cut id hashes it."""
         roles = "\n".join(f"{s.role} {s.name}" for s in (*self.inputs, *self.outputs))
         return f"{self.jaxpr}\n{roles}\n"
+
+
+GPU_PLATFORMS = ("cuda", "rocm")
+
+
+def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
+    """A program's (or a stage's) jaxpr as a function to jit and export for `platform`.
+
+    On the CPU the jaxpr runs as it is. On a GPU every call runs as its body between two
+    `optimization_barrier`s, inlined early: the barriers keep XLA:GPU from fusing across a call
+    (what makes a cut exact there), and early inlining lets it compile the body fully.
+    """
+    if platform not in GPU_PLATFORMS:
+        return jex.jaxpr_as_fun(closed)
+    jp = closed.jaxpr
+    fenced = [_fenced(e) for e in jp.eqns]
+
+    def run(*args):
+        env = dict(zip(jp.constvars, closed.consts)) | dict(zip(jp.invars, args))
+        read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
+        for e, f in zip(jp.eqns, fenced):
+            for v, x in zip(e.outvars, f(*map(read, e.invars))):
+                if not isinstance(v, jex.DropVar):
+                    env[v] = x
+        return [read(v) for v in jp.outvars]
+
+    return run
+
+
+def _fenced(eqn: jex.JaxprEqn) -> Callable:
+    body = jex.jaxpr_as_fun(eqn.params["jaxpr"])
+
+    def fenced(*args):
+        return jax.lax.optimization_barrier(body(*jax.lax.optimization_barrier(args)))
+
+    fenced.__name__ = fenced.__qualname__ = eqn.params["name"]
+    return jax.jit(fenced, inline=jax.Inline.XLA_EARLY)
 
 
 def is_call(eqn: jex.JaxprEqn) -> bool:

@@ -9,8 +9,9 @@ One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequenc
 `cu_seqlens`; rows past `cu_seqlens[-1]` are padding. Each layer has its own paged KV state
 `kv.i` of `[pages, 16, 2, kv_heads, head_dim]`; `kv_write` stores the chunk's keys and values at
 `slots` (`page * 16 + offset`; an out-of-range slot drops a padding row), and `attn` reads every
-earlier chunk of a row's sequence through `page_table`, causal by position. Page 0 is never
-leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
+earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
+blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU, a Pallas kernel on
+CUDA GPUs). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
 chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
 
 The math follows `modeling_qwen3.py`: RMSNorm in f32 cast back before the weight, q/k norms over
@@ -27,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernjax.trace import Program, Slot, call, trace
+
+from .attention import chunk_attention
 
 PAGE = 16
 # Tensors a checkpoint may omit, and what is read instead: a tied output head is the embedding.
@@ -202,18 +205,8 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return flat.reshape(kv.shape)
 
     def attn(kv, q, positions, cu_seqlens, page_table):
-        ctx = kv[page_table.reshape(-1)].reshape(seqs * width * PAGE, 2, KV, D)
-        keys, vals = ctx[:, 0], ctx[:, 1]
-        key_seq = jnp.repeat(jnp.arange(seqs), width * PAGE)
-        key_pos = jnp.tile(jnp.arange(width * PAGE), seqs)
-        row_seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
-        mask = (row_seq[:, None] == key_seq[None, :]) & (key_pos[None, :] <= positions[:, None])
-        qg = q.reshape(rows, KV, H // KV, D)
-        s = jnp.einsum("rngd,knd->ngrk", qg, keys, preferred_element_type=jnp.float32) * scale
-        s = jnp.where(mask[None, None], s, -1e30)
-        p = jax.nn.softmax(s, axis=-1).astype(dt)
-        o = jnp.einsum("ngrk,knd->rngd", p, vals, preferred_element_type=jnp.float32)
-        return o.astype(dt).reshape(rows, H * D)
+        o = chunk_attention(kv, q, positions, cu_seqlens, page_table, scale=scale)
+        return o.reshape(rows, H * D)
 
     def o_proj(o, w):
         return _linear(o, w)

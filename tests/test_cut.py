@@ -227,6 +227,17 @@ def test_the_same_cut_is_the_same_bytes():
     assert cut(_chain(), [4])[0].cut_id != a[0].cut_id
 
 
+def test_calls_lower_per_platform_from_one_jaxpr():
+    """One jaxpr, two lowerings: `XLA_LATE` calls on the CPU; on a GPU each call's body inlined
+    early between optimization barriers (docs/bitwise.md), so XLA:GPU optimizes inside a call and
+    fuses nothing across it. Exporting for CUDA needs no GPU."""
+    stage = whole(_chain())
+    cpu = export_stage(stage, "cpu").mlir_module()
+    gpu = export_stage(stage, "cuda").mlir_module()
+    assert cpu.count('inlineable = "xla_late"') >= 6 and "optimization_barrier" not in cpu
+    assert gpu.count("stablehlo.optimization_barrier") == 2 * 6 and "xla_late" not in gpu
+
+
 # --- numeric twin ---------------------------------------------------------------------------
 
 D = 16

@@ -1,0 +1,164 @@
+"""Times the Pallas chunked-prefill attention kernel (`models/attention_pallas.py`) on a GPU.
+
+One sequence per item: a chunk of C query rows at positions K-C .. K-1, so it attends over K keys
+(H=32, KV=8, D=128, bf16, shuffled pages). FLOPs are 4 * H * D per causal (query, key) pair,
+pairs = C * (K - C) + C * (C + 1) / 2. Each config is first checked against a float32 jnp
+reference (rel. error < 1e-2, no NaN, run-to-run bitwise equal); then each timing is the median
+over --reps of the mean of --inner back-to-back calls, rotating between --sets input sets (so
+the keys and values are not all in L2). Prints a table; --out writes it as JSON.
+
+    python experiments/attention.py                      # the default config
+    python experiments/attention.py --sweep --out attention.json
+    python experiments/attention.py --interpret --small  # CPU smoke test (Pallas interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernjax.models.attention_pallas import chunk_attention
+
+warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
+
+PAGE = 16
+CASES = [(512, 1024), (512, 8192), (2048, 8192), (512, 32768), (8192, 8192)]
+SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
+# (block_q, block_k, num_warps, num_stages); the first is the kernel's default.
+# For H/KV = 4 the tile is 4 * block_q tall: 128 x 128 with 8 warps is the usual Hopper choice.
+CONFIGS = [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
+           (16, 128, 4, 3), (64, 64, 8, 3), (64, 64, 16, 3), (32, 64, 16, 3)]
+SMALL_CONFIGS = [(8, 16, 4, 3), (16, 32, 4, 2)]
+
+
+def make_set(key, c, k, heads, kv_heads, d, dtype):
+    """One item: a single sequence with c rows at positions k-c .. k-1, its k keys on shuffled
+    pages (page 0 unused, NaN)."""
+    n_pages = -(-k // PAGE)
+    perm = jax.random.permutation(jax.random.fold_in(key, 0), n_pages) + 1
+    kv = jax.random.normal(jax.random.fold_in(key, 1), (n_pages + 1, PAGE, 2, kv_heads, d), dtype)
+    kv = kv.at[0].set(jnp.nan)
+    q = jax.random.normal(jax.random.fold_in(key, 2), (c, heads, d), dtype)
+    positions = jnp.arange(k - c, k, dtype=jnp.int32)
+    cu = jnp.array([0, c], jnp.int32)
+    page_table = perm.astype(jnp.int32)[None, :]
+    return kv, q, positions, cu, page_table
+
+
+def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
+    """float32 jnp, one sequence, `rows_per_step` rows at a time (the scores fit in memory)."""
+    g = q.shape[1] // kv.shape[3]
+    k = int(positions[-1]) + 1
+    j = jnp.arange(k)
+    keys = kv[page_table[0, j // PAGE], j % PAGE].astype(jnp.float32)
+    kk, vv = jnp.repeat(keys[:, 0], g, axis=1), jnp.repeat(keys[:, 1], g, axis=1)
+
+    @jax.jit
+    def step(qs, pos):
+        s = jnp.einsum("rhd,nhd->hrn", qs.astype(jnp.float32), kk,
+                       precision=jax.lax.Precision.HIGHEST) * scale
+        s = jnp.where(j[None, None, :] <= pos[None, :, None], s, -jnp.inf)
+        return jnp.einsum("hrn,nhd->rhd", jax.nn.softmax(s, axis=-1), vv,
+                          precision=jax.lax.Precision.HIGHEST)
+
+    outs = [step(q[a:a + rows_per_step], positions[a:a + rows_per_step])
+            for a in range(0, q.shape[0], rows_per_step)]
+    return jnp.concatenate(outs)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="time every config in CONFIGS")
+    ap.add_argument("--config", default=None, help="one config: block_q,block_k,warps,stages")
+    ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--inner", type=int, default=5, help="calls per timed rep")
+    ap.add_argument("--sets", type=int, default=3, help="input sets to rotate between")
+    ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (H=4, KV=2, D=32)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    a = ap.parse_args()
+
+    heads, kv_heads, d = (4, 2, 32) if a.small else (32, 8, 128)
+    dtype = jnp.bfloat16
+    scale = d ** -0.5
+    cases = CASES if not a.small else SMALL_CASES
+    if a.cases:
+        cases = [tuple(int(x) for x in p.split(":")) for p in a.cases.split(",")]
+    configs = SMALL_CONFIGS if a.small else CONFIGS
+    if a.config:
+        configs = [tuple(int(x) for x in a.config.split(","))]
+    elif not a.sweep:
+        configs = configs[:1]
+    if a.small:
+        a.reps, a.inner = min(a.reps, 2), 1
+    print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
+          f"KV={kv_heads} D={d} bf16, interpret={a.interpret}", flush=True)
+
+    results = []
+    for c, k in cases:
+        pairs = c * (k - c) + c * (c + 1) // 2
+        flops = 4 * heads * d * pairs
+        sets = [make_set(jax.random.key(i), c, k, heads, kv_heads, d, dtype)
+                for i in range(a.sets)]
+        ref = reference(*sets[0], scale)
+        for bq, bk, nw, ns in configs:
+            fn = jax.jit(lambda *x, bq=bq, bk=bk, nw=nw, ns=ns: chunk_attention(
+                *x, scale=scale, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns,
+                interpret=a.interpret))
+            row = dict(C=c, K=k, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
+            try:
+                out = fn(*sets[0])
+                again = fn(*sets[0])
+                o32 = out.astype(jnp.float32)
+                err = float(jnp.linalg.norm(o32 - ref) / jnp.linalg.norm(ref))
+                nan = bool(jnp.isnan(o32).any())
+                same = bool(jnp.all(out.view(jnp.uint16) == again.view(jnp.uint16)))
+            except Exception as e:  # a config that does not compile is reported, not fatal
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                print(f"C={c} K={k} {bq},{bk},{nw},{ns}: {row['error']}", flush=True)
+                results.append(row)
+                continue
+            row.update(rel_err=err, nan=nan, bitwise_rerun=same)
+            if err > 1e-2 or nan or not same:
+                row.update(error="wrong result")
+                print(f"C={c} K={k} {bq},{bk},{nw},{ns}: WRONG rel_err={err:.2e} nan={nan} "
+                      f"rerun_same={same}", flush=True)
+                results.append(row)
+                continue
+            for x in sets:  # warm-up
+                fn(*x).block_until_ready()
+            times = []
+            for r in range(a.reps):
+                t = time.perf_counter()
+                outs = [fn(*sets[(r * a.inner + i) % a.sets]) for i in range(a.inner)]
+                jax.block_until_ready(outs)
+                times.append((time.perf_counter() - t) / a.inner)
+            ms = statistics.median(times) * 1e3
+            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            results.append(row)
+            print(f"C={c:5d} K={k:6d} bq={bq:3d} bk={bk:3d} w={nw:2d} s={ns}: {ms:8.3f} ms "
+                  f"{row['tflops']:7.1f} TFLOP/s  rel_err {err:.1e}", flush=True)
+
+    print("\n|     C |      K | block_q | block_k | warps | stages |       ms | TFLOP/s |")
+    print("|------:|-------:|--------:|--------:|------:|-------:|---------:|--------:|")
+    for r in results:
+        t = f"{r['ms']:8.3f} | {r['tflops']:7.1f}" if "ms" in r else f"{'-':>8} | {'error':>7}"
+        print(f"| {r['C']:5d} | {r['K']:6d} | {r['block_q']:7d} | {r['block_k']:7d} | "
+              f"{r['num_warps']:5d} | {r['num_stages']:6d} | {t} |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(dict(device=jax.devices()[0].device_kind, heads=heads, kv_heads=kv_heads,
+                           head_dim=d, results=results), f, indent=1)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1108 @@
+"""Prefill of one prompt on one GPU: kernjax (whole, 2 stages, unconstrained) against plain JAX
+and Hugging Face transformers, at several prompt lengths and chunk sizes.
+
+For each system, prompt length S (`--prompts`) and chunk setting (`--chunks`; `whole` is the whole
+prompt in one chunk, and a chunk >= S is S): one untimed warm-up prefill of the whole prompt (after
+compiling, which is timed on its own), then `--iters` timed prefills of all S tokens, chunk after
+chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
+after `block_until_ready` / `torch.cuda.synchronize()`. The median is the time to first token.
+
+  kernjax                 `models.qwen3.program(rows=chunk, seqs=1, context)` as one stage
+                          (`cut.whole` + `stage.export_stage`), jitted with its states donated
+  kernjax-2stages         the same program `cut.cut` at a layer boundary (`--at`, default 18, or
+                          the middle layer for smaller models), the stages run back to back per
+                          chunk, stage 0's departures are stage 1's arrivals
+  kernjax-unconstrained   the same forward traced inside `trace.without_boundaries()`, jitted
+  jax-plain               a plain JAX Qwen3 forward (written below), attention through
+                          `jax.nn.dot_product_attention(is_causal=True, implementation='cudnn')`;
+                          one pass only (chunk >= S), since the public is_causal mask is top-left
+                          aligned and wrong for a later chunk
+  transformers            `Qwen3ForCausalLM` (random init, bf16, sdpa), a DynamicCache carried
+                          across chunks, logits of the last row only
+
+Programs are compiled once per (system, rows, context) and reused. A chunk program (rows < S) is
+compiled once with the largest context and serves every prompt: attention (models/attention.py)
+visits only the key blocks the item's sequences reach, so the page table's width adds no work.
+A one-pass program (rows = S) has context S. `--exact_context` compiles every program with
+context = S instead (more compiles).
+
+Writes `results.json`, `README.md` (after every row) and `mfu.png` (after every system) to
+`--out` (default `<UTC date>-h200-prefill/` under `$OUT` when set, else experiments/results/;
+`--replot DIR` rewrites README.md and mfu.png from DIR/results.json), prints a progress line per row and the table at the end. A failing row prints one line
+and the run goes on. `--max_seconds` stops starting rows after that many seconds: each system
+gets a share of the time left in proportion to its rows, and a row predicted not to fit is
+skipped (said in the README).
+
+    python experiments/prefill.py --max_seconds 480                        # H200, qwen3-4b
+    python experiments/prefill.py --model qwen3-tiny --prompts 64,128 --chunks 32,whole --iters 1
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+# Before jax starts: JAX and torch share the GPU, so JAX allocates as it goes and leaves room.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+# kernjax keeps XLA's autotune results and compiled programs in a cache (kernjax/xla.py); a fresh
+# one per run, unless the caller names one, so that compile times are those of a cold machine.
+_OWN_CACHE = not os.environ.get("KERNJAX_XLA_CACHE")
+if _OWN_CACHE:
+    os.environ["KERNJAX_XLA_CACHE"] = tempfile.mkdtemp(prefix="prefill-xla-")
+
+import argparse  # noqa: E402
+import dataclasses  # noqa: E402
+import datetime  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import math  # noqa: E402
+import platform  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import signal  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+import types  # noqa: E402
+import warnings  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+try:  # kernjax sets its XLA flags and caches before jax starts
+    import kernjax  # noqa: F401
+except ImportError:  # not installed: the checkout's own
+    sys.path.insert(0, str(REPO))
+    import kernjax  # noqa: F401
+try:
+    from kernjax import models
+except ImportError:  # kernjax.models is models/ (setup.py maps it when installed)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    import models
+    sys.modules["kernjax.models"] = models
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from kernjax.cli import parse_at  # noqa: E402
+from kernjax.cut import cut, whole  # noqa: E402
+from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
+from kernjax.stage import export_stage  # noqa: E402
+from kernjax.trace import without_boundaries  # noqa: E402
+
+SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
+# The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
+# later ones), torch last so JAX never has to give memory back to it.
+RUN_ORDER = ("jax-plain", "kernjax-unconstrained", "kernjax", "kernjax-2stages", "transformers")
+PEAK = 989e12  # H200 dense BF16 FLOP/s
+
+warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:400]}"
+
+
+# --------------------------------------------------------------------------------------- FLOPs
+
+def flop_terms(cfg) -> tuple[float, float, float]:
+    """`(a, b, c)` with FLOPs(S) = a S + b S^2 + c for one prefill of S tokens.
+
+    a: 2 x the non-embedding weights (q, k, v, o, gate, up, down) per token; b: causal attention,
+    QK^T and PV, 2 x 2 x layers x heads x head_dim x S^2 / 2; c: the lm_head of the last row.
+    """
+    q, kv = cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * cfg.hidden * q + 2 * cfg.hidden * kv + 3 * cfg.hidden * cfg.intermediate
+    a = 2.0 * cfg.layers * per_layer
+    b = 4.0 * cfg.layers * cfg.heads * cfg.head_dim / 2
+    c = 2.0 * cfg.vocab * cfg.hidden
+    return a, b, c
+
+
+def flops(cfg, s: int) -> float:
+    a, b, c = flop_terms(cfg)
+    return a * s + b * s * s + c
+
+
+# ------------------------------------------------------------------------------------ systems
+
+@dataclasses.dataclass
+class Part:
+    """One jitted program and how to feed it: a whole program, a stage, or an unconstrained jit."""
+
+    fn: object
+    inputs: tuple  # Slots: weight, state, fill, table
+    outputs: tuple  # (name, role)
+    departures: int = 0
+
+
+@dataclasses.dataclass
+class Handle:
+    """What one (system, rows, context) needs to run prefills: compiled parts, items, states."""
+
+    parts: list
+    items: list
+    state_slots: list
+    states: dict = dataclasses.field(default_factory=dict)
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def _compile(fn, specs, donate=()):
+    """`(compiled, {lower_s, xla_s})`: tracing and lowering to StableHLO, then XLA's compile."""
+    t = time.perf_counter()
+    lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1}
+
+
+def _donate(slots) -> tuple[int, ...]:
+    return tuple(i for i, s in enumerate(slots) if s.role == "state")
+
+
+class JaxSystem:
+    """Shared by the four JAX systems: weights on the device, items, states, prefill loop.
+
+    `build(s, rows, ctx)` compiles a program and returns an entry `{parts, state_slots, shape,
+    extra, info}`; entries are cached by (rows, context) and reused by every prompt they fit.
+    """
+
+    torch = False
+
+    def __init__(self, name, fam, cfg, args, weights, tokens):
+        self.name, self.fam, self.cfg, self.args = name, fam, cfg, args
+        self.weights, self.tokens = weights, tokens
+        self.compiled: dict = {}
+        self.notes: list = []
+        self.exact_rows: set = set()  # chunk rows whose shared-context program failed to build
+
+    def rows_ok(self, s, rows):
+        return None
+
+    def context(self, s, rows):
+        shared = not self.args.exact_context and rows < s and rows not in self.exact_rows
+        ctx = max(self.args.prompts) if shared else s
+        return -(-ctx // self.fam.PAGE) * self.fam.PAGE
+
+    def has(self, s, rows):
+        return (rows, self.context(s, rows)) in self.compiled
+
+    def make_items(self, entry, s, rows):
+        pages = tuple(range(1, -(-s // self.fam.PAGE) + 1))
+        toks = self.tokens[s]
+        return [{k: jax.device_put(v) for k, v in
+                 make_item([Piece(toks[a:b], a, pages)], entry["shape"]).items()}
+                for a, b in chunks(s, rows)]
+
+    def prepare(self, s, rows):
+        """A handle for prompt `s` in chunks of `rows`; `(handle, compile info or None)`."""
+        ctx = self.context(s, rows)
+        # Prompts run in ascending order and every context is >= its prompt: a program of a
+        # context shorter than this prompt is never used again.
+        for k in [k for k in self.compiled if k[1] < s]:
+            self.compiled.pop(k)
+        info = None
+        entry = self.compiled.get((rows, ctx))
+        if entry is None:
+            try:
+                entry = self.build(s, rows, ctx)
+            except Exception as e:  # noqa: BLE001
+                self.compiled[(rows, ctx)] = e
+                exact = -(-s // self.fam.PAGE) * self.fam.PAGE
+                if ctx == exact:
+                    raise
+                msg = (f"{self.name} rows {rows}: the program with the largest context {ctx} "
+                       f"failed ({one_line(e)[:200]}); its rows use context = S instead")
+                say(f"[{self.name}] {msg}")
+                self.notes.append(msg)
+                self.exact_rows.add(rows)
+                return self.prepare(s, rows)
+            self.compiled[(rows, ctx)] = entry
+            info = entry["info"]
+        elif isinstance(entry, BaseException):
+            raise RuntimeError(f"its program failed to build before: {one_line(entry)}")
+        h = Handle(entry["parts"], self.make_items(entry, s, rows), entry["state_slots"])
+        h.extra.update(entry["extra"])
+        return h, info
+
+    def close(self):
+        self.compiled.clear()
+        gc.collect()
+
+    def to_numpy(self, logits):
+        return np.asarray(jnp.asarray(logits, jnp.float32)).reshape(-1)
+
+    def reset(self, h):
+        h.states.clear()
+        for sl in h.state_slots:
+            h.states[sl.name] = jnp.zeros(sl.shape, sl.dtype)
+        jax.block_until_ready(h.states)
+
+    def prefill(self, h):
+        outs = {}
+        for item in h.items:
+            carry = []
+            for p in h.parts:
+                args = [self.weights[sl.name] if sl.role == "weight" else
+                        h.states[sl.name] if sl.role == "state" else item[sl.name]
+                        for sl in p.inputs]
+                res = p.fn(*args, *carry)
+                carry = list(res[:p.departures])
+                for (name, role), v in zip(p.outputs, res[p.departures:]):
+                    if role == "state":
+                        h.states[name] = v
+                    else:
+                        outs[name] = v
+        jax.block_until_ready((outs, h.states))
+        return int(np.asarray(outs["next_token"]).reshape(-1)[0]), outs["logits"]
+
+    def _program(self, rows, ctx):
+        t = time.perf_counter()
+        program = self.fam.program(self.cfg, dtype=self.args.dtype, rows=rows, seqs=1, context=ctx)
+        return program, time.perf_counter() - t
+
+    def _parts_of(self, stages):
+        parts, info = [], []
+        for st in stages:
+            t = time.perf_counter()
+            exp = export_stage(st)
+            t_export = time.perf_counter() - t
+            slots = (*st.inputs, *st.arrivals)
+            fn, times = _compile(exp.call, [sl.spec() for sl in slots], _donate(st.inputs))
+            parts.append(Part(fn, tuple(st.inputs), tuple((o.name, o.role) for o in st.outputs),
+                              len(st.departures)))
+            info.append({"calls": len(st.calls), "export_s": t_export, **times})
+        return parts, info
+
+
+class Kernjax(JaxSystem):
+    def build(self, s, rows, ctx):
+        program, t_trace = self._program(rows, ctx)
+        if self.name == "kernjax":
+            stages = [whole(program)]
+        else:
+            stages = list(cut(program, parse_at(self.args.at_of(self.cfg), program.calls)))
+        parts, info = self._parts_of(stages)
+        return {"parts": parts, "shape": item_shape(program, self.fam.PAGE),
+                "state_slots": [sl for st in stages for sl in st.inputs if sl.role == "state"],
+                "extra": {"points": list(stages[0].points)},
+                "info": {"trace_s": t_trace, "parts": info}}
+
+
+class Unconstrained(JaxSystem):
+    def build(self, s, rows, ctx):
+        t = time.perf_counter()
+        with without_boundaries():
+            fn, inputs, outputs = self.fam.prefill(self.cfg, dtype=self.args.dtype, rows=rows,
+                                                   seqs=1, context=ctx)
+            names = [sl.name for sl in inputs]
+            t_trace = time.perf_counter() - t
+
+            def flat(*xs):
+                out = fn(dict(zip(names, xs)))
+                return [out[n] for n, _ in outputs]
+
+            compiled, times = _compile(flat, [sl.spec() for sl in inputs], _donate(inputs))
+        shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows), self.fam.PAGE)
+        return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))], "shape": shape,
+                "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
+                "info": {"trace_s": t_trace, "parts": [{"export_s": 0.0, **times}]}}
+
+
+def plain_forward(cfg, s: int, dtype, implementation):
+    """A plain JAX Qwen3 prefill of one prompt of `s` tokens in one pass, no paging.
+
+    Returns `fn(weights, tokens) -> (token, logits of the last row, [(k, v)] per layer)`, the
+    per-layer KV cache dense, `[s, kv_heads, head_dim]`, as a server would keep it for decode.
+    """
+    L, H, KV, D = cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim
+    dt = jnp.dtype(dtype)
+    inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D))
+
+    def rms(x, w):
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + cfg.eps)
+        return w * x32.astype(x.dtype)
+
+    def rope(x, cos, sin):
+        x1, x2 = x[..., : D // 2], x[..., D // 2:]
+        return x * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+    def fwd(w, tokens):
+        f = jnp.arange(s, dtype=jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+        emb = jnp.concatenate([f, f], axis=-1)
+        cos = jnp.cos(emb).astype(dt)[None, :, None, :]
+        sin = jnp.sin(emb).astype(dt)[None, :, None, :]
+        embed = w["model.embed_tokens.weight"]
+        h = embed[tokens][None]  # [1, s, hidden]
+        cache = []
+        for i in range(L):
+            p = f"model.layers.{i}."
+            W = lambda n: w[p + n + ".weight"]  # noqa: E731
+            a = rms(h, W("input_layernorm"))
+            q = (a @ W("self_attn.q_proj").T).reshape(1, s, H, D)
+            k = (a @ W("self_attn.k_proj").T).reshape(1, s, KV, D)
+            v = (a @ W("self_attn.v_proj").T).reshape(1, s, KV, D)
+            q = rope(rms(q, W("self_attn.q_norm")), cos, sin)
+            k = rope(rms(k, W("self_attn.k_norm")), cos, sin)
+            o = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                             implementation=implementation)
+            h = h + o.reshape(1, s, H * D) @ W("self_attn.o_proj").T
+            m = rms(h, W("post_attention_layernorm"))
+            g = jax.nn.silu(m @ W("mlp.gate_proj").T) * (m @ W("mlp.up_proj").T)
+            h = h + g @ W("mlp.down_proj").T
+            cache.append((k[0], v[0]))
+        a = rms(h[:, -1], w["model.norm.weight"])
+        head = embed if cfg.tied else w["lm_head.weight"]
+        logits = a @ head.T
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32), logits, cache
+
+    return fwd
+
+
+class Plain(JaxSystem):
+    def rows_ok(self, s, rows):
+        if rows < s:
+            return ("one pass only: the public is_causal mask is top-left aligned, wrong for a "
+                    "chunk after the first")
+        return None
+
+    def context(self, s, rows):
+        return s
+
+    def build(self, s, rows, ctx):
+        impl = self.args.plain_attention
+        if impl == "auto":
+            impl = None if jax.default_backend() == "cpu" else "cudnn"
+        specs = ({n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in self.weights.items()},
+                 jax.ShapeDtypeStruct((s,), jnp.int32))
+        try:
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs)
+        except Exception as e:  # noqa: BLE001
+            if impl != "cudnn" or self.args.plain_attention != "auto":
+                raise
+            say(f"[{self.name}] S={s}: cudnn attention failed ({one_line(e)}); using xla")
+            self.notes.append(f"jax-plain S={s}: cudnn attention failed to compile "
+                              f"({one_line(e)[:200]}); measured with implementation='xla'")
+            impl = None
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs)
+        return {"parts": [fn], "shape": None, "state_slots": [], "extra": {},
+                "info": {"trace_s": 0.0, "parts": [{"export_s": 0.0, **times}],
+                         "attention": impl or "xla"}}
+
+    def make_items(self, entry, s, rows):
+        return [jax.device_put(np.asarray(self.tokens[s], np.int32))]
+
+    def prefill(self, h):
+        tok, logits, cache = h.parts[0](self.weights, h.items[0])
+        jax.block_until_ready((tok, logits, cache))
+        del cache
+        return int(np.asarray(tok).reshape(-1)[0]), logits
+
+
+class Transformers:
+    """`Qwen3ForCausalLM` with random init, bf16, sdpa attention, a DynamicCache across chunks."""
+
+    torch = True
+
+    def __init__(self, name, fam, cfg, args, tokens):
+        import torch
+        import transformers
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+        self.name, self.cfg, self.args, self.torch_mod = name, cfg, args, torch
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cpu":
+            say("[transformers] torch sees no CUDA device: running on the CPU")
+        kw = dict(vocab_size=cfg.vocab, hidden_size=cfg.hidden,
+                  intermediate_size=cfg.intermediate, num_hidden_layers=cfg.layers,
+                  num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
+                  head_dim=cfg.head_dim, rms_norm_eps=cfg.eps, tie_word_embeddings=cfg.tied,
+                  max_position_embeddings=cfg.max_positions, attention_bias=False,
+                  use_sliding_window=False, use_cache=True, attn_implementation="sdpa")
+        try:
+            config = Qwen3Config(rope_theta=cfg.rope_theta, **kw)
+        except TypeError:  # a transformers that takes rope_parameters only
+            config = Qwen3Config(**kw)
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(self.device):
+                model = Qwen3ForCausalLM(config)
+        finally:
+            torch.set_default_dtype(prev)
+        self.model = model.to(device=self.device, dtype=dtype).eval()
+        self.attn = getattr(self.model.config, "_attn_implementation", "?")
+        import inspect
+        params = inspect.signature(self.model.forward).parameters
+        self.keep = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in params), None)
+        # transformers 5 renames the cache argument and output `past_key_values` to `cache`.
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "attn_implementation": self.attn, "logits_arg": self.keep or "lm_head",
+                         "cache_arg": self.cache_kw}
+        say(f"[transformers] torch {torch.__version__}, transformers {transformers.__version__}, "
+            f"device {self.device}, attn_implementation {self.attn}, cache argument "
+            f"`{self.cache_kw}`, logits `{self.keep or 'lm_head'}`, "
+            f"{sum(p.numel() for p in self.model.parameters()) / 1e6:.1f} M parameters, "
+            f"built in {time.perf_counter() - t0:.1f} s")
+        self.tokens = {s: torch.as_tensor(np.asarray(t, np.int64), device=self.device)[None]
+                       for s, t in tokens.items()}
+        self.cache = {}
+
+    def rows_ok(self, s, rows):
+        return None
+
+    def has(self, s, rows):
+        return True
+
+    def prepare(self, s, rows):
+        key = (s, rows)
+        first = key not in self.cache
+        self.cache[key] = True
+        return key, ({"trace_s": 0.0, "parts": [{"export_s": 0.0, "lower_s": 0.0, "xla_s": 0.0}]}
+                     if first else None)
+
+    def reset(self, h):
+        pass
+
+    def _sync(self):
+        if self.device == "cuda":
+            self.torch_mod.cuda.synchronize()
+
+    def prefill(self, h):
+        torch = self.torch_mod
+        s, rows = h
+        ids = self.tokens[s]
+        with torch.inference_mode():
+            cache = None
+            for a, b in chunks(s, rows):
+                kw = {self.cache_kw: cache, "use_cache": True}
+                if self.keep:
+                    out = self.model(input_ids=ids[:, a:b], **kw, **{self.keep: 1})
+                    logits = out.logits[:, -1]
+                else:
+                    out = self.model.model(input_ids=ids[:, a:b], **kw)
+                    logits = self.model.lm_head(out.last_hidden_state[:, -1])
+                cache = getattr(out, self.cache_kw, None)
+                if cache is None and b < s:
+                    raise RuntimeError(f"the model returned no `{self.cache_kw}` to carry")
+            tok = logits.argmax(-1)
+            self._sync()
+            return int(tok.reshape(-1)[0].item()), logits
+
+    def to_numpy(self, logits):
+        return logits.float().cpu().numpy().reshape(-1)
+
+    def close(self):
+        torch = self.torch_mod
+        del self.model
+        self.tokens.clear()
+        gc.collect()
+        if self.device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------------------------- setup
+
+def random_weights(fam, cfg, dtype):
+    """Every checkpoint tensor, random on the device: N(0, 0.02), norms near one (boundaries.py)."""
+    key = jax.random.key(0)
+    out = {}
+    for i, (name, shape) in enumerate(fam.weight_shapes(cfg)):
+        x = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02
+        out[name] = (x + 1.0 if len(shape) == 1 else x).astype(dtype)
+        del x
+    jax.block_until_ready(out)
+    return out
+
+
+def git_commit() -> tuple[str, bool | None]:
+    try:
+        c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                           text=True, timeout=10)
+        if c.returncode != 0:
+            return "unknown", None
+        d = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                           text=True, timeout=10)
+        return c.stdout.strip(), bool(d.stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return "unknown", None
+
+
+def machine() -> dict:
+    m = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+         "platform": platform.platform()}
+    try:
+        import jaxlib
+        m["jaxlib"] = jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total",
+                            "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+        if r.returncode == 0:
+            m["nvidia_smi"] = r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+        m["cpu"] = cpu
+    except (OSError, StopIteration):
+        pass
+    return m
+
+
+# ------------------------------------------------------------------------------------ results
+
+class Results:
+    def __init__(self, args, cfg, out: Path):
+        self.out = out
+        self.args, self.cfg = args, cfg
+        now = datetime.datetime.now(datetime.timezone.utc)
+        commit, dirty = git_commit()
+        dev = jax.devices()[0]
+        self.data = {
+            "gpu": dev.device_kind, "date": now.date().isoformat(), "commit": commit,
+            "jax": jax.__version__, "rows": [],
+            "time": now.isoformat(timespec="seconds"), "dirty": dirty,
+            "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
+            "model": cfg.name, "dtype": args.dtype, "iters": args.iters,
+            "backend": jax.default_backend(), "machine": machine(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
+            "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
+            "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
+            "xla_cache": os.environ.get("KERNJAX_XLA_CACHE"),
+            "max_seconds": args.max_seconds,
+            "compile_s": {}, "compile": [], "details": [], "skipped": [], "errors": [],
+            "notes": [],
+        }
+
+    def add_row(self, system, s, label, ms, detail):
+        f = flops(self.cfg, s)
+        self.data["rows"].append({"system": system, "prompt": s, "chunk": label,
+                                  "ms": round(ms, 4), "tok_s": round(s / (ms / 1e3), 2),
+                                  "mfu": round(f / (ms / 1e3) / self.args.peak, 6)})
+        self.data["details"].append({"system": system, "prompt": s, "chunk": label, **detail})
+
+    def add_compile(self, system, s, rows, ctx, info, first_s):
+        total = info["trace_s"] + sum(p["export_s"] + p["lower_s"] + p["xla_s"]
+                                      for p in info["parts"])
+        self.data["compile_s"].setdefault(system, {})[f"rows={rows},context={ctx}"] = round(total, 3)
+        self.data["compile"].append({"system": system, "prompt": s, "rows": rows, "context": ctx,
+                                     "total_s": round(total, 3), "first_prefill_s": round(first_s, 3),
+                                     **{k: v for k, v in info.items() if k != "parts"},
+                                     "parts": [{k: (round(v, 3) if isinstance(v, float) else v)
+                                                for k, v in p.items()} for p in info["parts"]]})
+
+    def write(self, plot=False):
+        self.out.mkdir(parents=True, exist_ok=True)
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.data, indent=1) + "\n")
+        tmp.replace(self.out / "results.json")
+        (self.out / "README.md").write_text(self.readme())
+        if plot:
+            try:
+                self.plot()
+            except Exception as e:  # noqa: BLE001
+                say(f"plot failed: {one_line(e)}")
+
+    def table(self) -> str:
+        lines = ["| system | prompt | chunk | ms | tok/s | MFU % |",
+                 "|---|---:|---:|---:|---:|---:|"]
+        for r in self.data["rows"]:
+            lines.append(f"| {r['system']} | {r['prompt']} | {r['chunk']} | {r['ms']:.2f} | "
+                         f"{r['tok_s']:.0f} | {100 * r['mfu']:.2f} |")
+        return "\n".join(lines)
+
+    def compile_table(self) -> str:
+        lines = ["| system | prompt | rows | context | trace s | export s | lower s | XLA compile s "
+                 "| total s | first prefill s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in self.data["compile"]:
+            col = {k: " + ".join(f"{p.get(k, 0.0):.1f}" for p in c["parts"])
+                   for k in ("export_s", "lower_s", "xla_s")}
+            lines.append(f"| {c['system']} | {c['prompt']} | {c['rows']} | {c['context']} | "
+                         f"{c['trace_s']:.1f} | {col['export_s']} | {col['lower_s']} | "
+                         f"{col['xla_s']} | {c['total_s']:.1f} | {c['first_prefill_s']:.2f} |")
+        return "\n".join(lines)
+
+    def readme(self) -> str:
+        d, a = self.data, self.args
+        a_, b_, c_ = flop_terms(self.cfg)
+        m = d["machine"]
+        lines = [f"# Prefill of one prompt: {d['model']} on {d['gpu']}", "",
+                 "- **Question:** time to first token of one prompt of S tokens, prefilled in "
+                 "chunks, for kernjax (whole program, 2 stages, unconstrained jit) against plain "
+                 "JAX and Hugging Face transformers.",
+                 f"- **Script:** `experiments/prefill.py` (commit `{d['commit']}`"
+                 + (", tree with local changes" if d.get("dirty") else "") + ").",
+                 f"- **Machine:** {d['gpu']} ({m.get('nvidia_smi', d['backend'])}); "
+                 f"{m.get('cpus')} CPUs ({m.get('cpu', '?')}), host `{m.get('host')}`.",
+                 f"- **Date:** {d['time']}. **Versions:** Python {m.get('python')}, jax "
+                 f"{d['jax']}, jaxlib {m.get('jaxlib', '?')}"
+                 + (f", torch {d['torch']}, transformers {d['transformers']} "
+                    f"(attention `{d.get('transformers_attn')}`)" if d.get("torch") else "")
+                 + ".",
+                 f"- **XLA_FLAGS** (every JAX system, one process): `{d['xla_flags']}`; "
+                 f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
+                 "- **Command:**", "", "```", d["command"], "```", "",
+                 "## Result", "",
+                 f"{d['model']}, {d['dtype']}, random weights; median of {a.iters} timed "
+                 "prefills of the whole prompt after one untimed warm-up (ms = time to first "
+                 "token). tok/s = S / time; MFU = FLOPs(S) / time / "
+                 f"{a.peak / 1e12:.0f} TFLOP/s.", "", self.table(), ""]
+        if d["skipped"]:
+            lines += ["Rows not measured:", ""]
+            lines += [f"- {x['system']} S={x['prompt']} chunk={x['chunk']}: {x['why']}"
+                      for x in d["skipped"]]
+            lines.append("")
+        if d["errors"]:
+            lines += ["Rows that failed (nothing recorded for them):", ""]
+            lines += [f"- {x['system']} S={x['prompt']} chunk={x['chunk']}: `{x['error']}`"
+                      for x in d["errors"]]
+            lines.append("")
+        toks = [x for x in d["details"] if x.get("token") is not None]
+        if toks:
+            lines += ["Checks, not timings: the next token, and the largest absolute difference "
+                      "of the last row's logits from jax-plain's (same weights and prompt; torch "
+                      "has its own random weights, so none) and from the same system's first "
+                      "chunk setting at that prompt (chunking changes the order of the "
+                      "arithmetic, not the function). With random weights and a tied head the "
+                      "token is mostly the prompt's last token, so the logits are the check.", "",
+                      "| system | prompt | chunk | token | vs jax-plain | vs own chunk |",
+                      "|---|---:|---:|---:|---:|---|"]
+            for x in toks:
+                diff, own = x.get("logits_diff"), x.get("self_diff")
+                lines.append(f"| {x['system']} | {x['prompt']} | {x['chunk']} | {x['token']} | "
+                             + ("-" if diff is None else f"{diff:.4g}") + " | "
+                             + ("-" if not own else f"{own['max_abs']:.4g} (chunk {own['chunk']})")
+                             + " |")
+            lines.append("")
+        lines += ["## Compile time", "",
+                  "Per program (system, rows, context): tracing the forward into a kernjax "
+                  "Program, `export_stage`, then `jax.jit(...).lower` (tracing for "
+                  "kernjax-unconstrained and jax-plain) and XLA's `compile` of each part "
+                  "(kernjax-2stages: stage 0 + stage 1); then the first (warm-up) prefill after "
+                  "it. transformers compiles nothing; its first prefill is its warm-up.", "", self.compile_table(), ""]
+        lines += ["## How it was measured", "",
+                  "- One prompt of S random tokens (seed 0, the same for every system), one "
+                  "sequence per item, page ids 1..S/16. A chunk >= S is S: one pass of S rows; "
+                  "two chunk settings that give the same rows at one S share a program and a "
+                  "measurement.",
+                  "- kernjax: `models.qwen3.program(rows=chunk, seqs=1, context)` (context "
+                  "below), "
+                  "`stage.export_stage(cut.whole(program))`, `jax.jit(exp.call, donate_argnums="
+                  "states)`, AOT-compiled once per (rows, context). Items from "
+                  "`item.make_item([Piece(chunk tokens, start, pages)])`, put on the device "
+                  "before the clock. States zeroed between prefills (outside the clock), fed back "
+                  "after every chunk; no block between chunks, one `block_until_ready` at the end.",
+                  f"- kernjax-2stages: `cut.cut(program, parse_at('{d['cut_at']}'))` (calls "
+                  f"{d.get('cut_points', '?')}), each stage exported and jitted with its states "
+                  "donated, run back to back in this process per chunk.",
+                  "- kernjax-unconstrained: the same `qwen3.prefill` forward traced inside "
+                  "`trace.without_boundaries()` and jitted directly (XLA may fuse across calls).",
+                  "- jax-plain: a plain JAX Qwen3 (no paging, dense per-layer KV `[S, KV, D]` "
+                  "returned as the cache), attention `jax.nn.dot_product_attention(is_causal=True, "
+                  f"implementation={d.get('plain_attention', 'cudnn')!r})`. Only one-pass rows: the "
+                  "public `is_causal` is top-left aligned (query i sees keys 0..i), so for a "
+                  "later chunk, whose queries sit at positions after the keys already cached, it "
+                  "would hide most of the context; a bottom-right mask needs an explicit mask "
+                  "array, which is not the fused causal path.",
+                  "- transformers: `Qwen3ForCausalLM(Qwen3Config(same shapes))`, random init, "
+                  "sdpa, under `torch.inference_mode()`; one chunk = one forward with the cache "
+                  "(`DynamicCache`, created by the first chunk) carried, logits of the last row "
+                  "only; `torch.cuda.synchronize()` before the clock is read. Run last, its model "
+                  "freed after.",
+                  "- Programs are compiled once per (system, rows, context) and reused across "
+                  "iterations, chunk settings with the same rows and prompts: "
+                  + ("every program has context = S (`--exact_context`)." if d["exact_context"]
+                     else "a chunk program (rows < S) is compiled once with context = the largest "
+                     "prompt and serves every S (the attention in `models/attention.py` visits "
+                     "only the key blocks the item's sequence reaches, so the page table's width "
+                     "adds no attention work; the states are sized for the largest prompt); a "
+                     "one-pass program (rows = S) has context S, one per S.")
+                  + " The compile table lists each program once, at the first prompt that used "
+                  "it. Compiling runs with kernjax's XLA cache (`kernjax/xla.py`: shared GEMM and "
+                  "fusion autotuning results, JAX's persistent compilation cache) in "
+                  + ("a fresh directory for this run, so the first program to need an autotuned "
+                     "fusion pays for it and later systems reuse it (kernjax-2stages after "
+                     "kernjax, in this order)." if d["xla_cache"] and "prefill-xla-" in
+                     d["xla_cache"] else f"`{d['xla_cache']}`, set by the caller (maybe warm)."),
+                  f"- FLOPs(S) = {a_:.4g}·S + {b_:.6g}·S² + {c_:.4g} (2 × non-embedding weights "
+                  "per token; causal attention 2·2·layers·heads·head_dim·S²/2; the lm_head of "
+                  "the last row). For qwen3-4b this is 7.267e9·S + 294912·S² + 0.778e9.",
+                  "- `--max_seconds` "
+                  + (f"{d['max_seconds']:.0f}" if d["max_seconds"] else "(off)")
+                  + ": rows are started only while time is left; each system gets a share of "
+                  "the time left in proportion to its rows, a row whose predicted time (the "
+                  "longest compile so far when the row needs a new program, + 2 × the previous prefill of that chunk setting, or of a one-pass "
+                  "row, scaled by (S/S_prev)²) does not fit is skipped, and iterations are cut to what fits "
+                  "after the warm-up (at least one).",
+                  "- Systems run in the order jax-plain, kernjax-unconstrained, kernjax, "
+                  "kernjax-2stages, transformers (cheap ones first, so their unused time goes to "
+                  "the later ones; torch last)."]
+        lines += [f"- {n}" for n in d["notes"]]
+        lines.append("")
+        return "\n".join(lines)
+
+    def plot(self):
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        series: dict = {}
+        for r in self.data["rows"]:
+            series.setdefault((r["system"], str(r["chunk"])), []).append((r["prompt"], r["mfu"]))
+        fig, ax = plt.subplots(figsize=(8, 5))
+        for (system, chunk), pts in sorted(series.items()):
+            pts.sort()
+            ax.plot([p for p, _ in pts], [100 * m for _, m in pts], marker="o",
+                    label=f"{system}, chunk {chunk}")
+        ax.set_xscale("log", base=2)
+        prompts = sorted({r["prompt"] for r in self.data["rows"]})
+        if prompts:
+            ax.set_xticks(prompts, [str(p) for p in prompts])
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(f"MFU % (of {self.args.peak / 1e12:.0f} TFLOP/s)")
+        ax.set_title(f"prefill {self.data['model']} on {self.data['gpu']}")
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(self.out / "mfu.png", dpi=120)
+        plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------- run
+
+class Clock:
+    def __init__(self, max_seconds):
+        self.end = time.time() + max_seconds if max_seconds and max_seconds > 0 else math.inf
+
+    def left(self):
+        return self.end - time.time()
+
+
+def grid(args, system, prompts):
+    """`(S, label, rows)` of every row of `system`, S ascending, chunks in the given order."""
+    out = []
+    for s in prompts:
+        for label in args.chunks:
+            rows = s if label == "whole" or label >= s else label
+            out.append((s, label, rows))
+    return out
+
+
+def distinct_rows(system_name, args, prompts):
+    g = grid(args, system_name, prompts)
+    if system_name == "jax-plain":
+        g = [x for x in g if x[2] == x[0]]
+    return max(1, len({(s, rows) for s, _, rows in g}))
+
+
+def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: float, ref_logits):
+    name = sysobj.name
+    measured: dict = {}  # (S, rows) -> (ms, detail)
+    history: list = []  # (S, chunk label or "one pass", prefill seconds)
+    own_logits: dict = {}  # S -> (chunk label, last row's logits) of this system's first row
+    failed: dict = {}  # (S, rows) -> the chunk label whose row failed
+    worst_compile = 0.0
+    for s, label, rows in grid(args, name, prompts):
+        tag = f"[{name}] S={s} chunk={label}"
+        why = sysobj.rows_ok(s, rows)
+        if why is None and f"{name}:{s}:{label}" in args.skip:
+            why = "skipped by --skip"
+        if why:
+            res.data["skipped"].append({"system": name, "prompt": s, "chunk": label, "why": why})
+            say(f"{tag}: skipped ({why})")
+            continue
+        if (s, rows) in failed:
+            why = f"same program and rows as chunk {failed[(s, rows)]}, which failed"
+            res.data["skipped"].append({"system": name, "prompt": s, "chunk": label, "why": why})
+            say(f"{tag}: skipped ({why})")
+            continue
+        if (s, rows) in measured:
+            ms, detail = measured[(s, rows)]
+            res.add_row(name, s, label, ms, {**detail, "same_as": detail["chunk_first"]})
+            say(f"{tag}: rows {rows}, same program as chunk {detail['chunk_first']}: "
+                f"{ms:.2f} ms")
+            res.write()
+            continue
+        left = min(clock.left(), share_end - time.time())
+        if clock.left() <= 0:
+            why = "not started: --max_seconds reached"
+        elif left <= 0:
+            why = "not started: this system's share of --max_seconds is used"
+        else:
+            why = None
+            kind = "one pass" if rows == s else label
+            prev = [(ps, t) for ps, pk, t in history if pk == kind]
+            need = 0.0 if sysobj.has(s, rows) else worst_compile
+            if prev:
+                ps, t = prev[-1]
+                need += 2 * t * (s / ps) ** 2
+            if need > left:
+                why = (f"not started: predicted {need:.0f} s (compile + warm-up + 1 iter) > "
+                       f"{max(left, 0):.0f} s left for this system")
+        if why:
+            res.data["skipped"].append({"system": name, "prompt": s, "chunk": label, "why": why})
+            say(f"{tag}: {why}")
+            continue
+        h = None
+        try:
+            h, info = sysobj.prepare(s, rows)
+            sysobj.reset(h)
+            t = time.perf_counter()
+            token, logits = sysobj.prefill(h)
+            first = time.perf_counter() - t
+            if info is not None:
+                ctx = sysobj_context(sysobj, s, rows)
+                res.add_compile(name, s, rows, ctx, info, first)
+                if isinstance(h, Handle) and "points" in h.extra:
+                    res.data["cut_points"] = h.extra["points"]
+                if "attention" in info:
+                    res.data["plain_attention"] = info["attention"]
+                worst_compile = max(worst_compile, res.data["compile"][-1]["total_s"])
+            left = min(clock.left(), share_end - time.time())
+            iters = args.iters
+            if math.isfinite(left):
+                iters = max(1, min(args.iters, int(left // max(first, 1e-9))))
+            times = []
+            for _ in range(iters):
+                sysobj.reset(h)
+                t = time.perf_counter()
+                token, logits = sysobj.prefill(h)
+                times.append(time.perf_counter() - t)
+            ms = statistics.median(times) * 1e3
+            diff = self_diff = None
+            lg = sysobj.to_numpy(logits)
+            del logits
+            if name == "jax-plain" and s not in ref_logits:
+                ref_logits[s] = lg
+            elif not sysobj.torch and s in ref_logits and ref_logits[s].shape == lg.shape:
+                diff = float(np.max(np.abs(lg - ref_logits[s])))
+            if s in own_logits:
+                self_diff = (own_logits[s][0], float(np.max(np.abs(lg - own_logits[s][1]))))
+            else:
+                own_logits[s] = (label, lg)
+            detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": iters,
+                      "times_ms": [round(x * 1e3, 3) for x in times],
+                      "first_prefill_s": round(first, 3), "token": token, "logits_diff": diff,
+                      "self_diff": None if self_diff is None else
+                      {"chunk": self_diff[0], "max_abs": self_diff[1]},
+                      "chunk_first": label}
+            measured[(s, rows)] = (ms, detail)
+            history.append((s, "one pass" if rows == s else label, statistics.median(times)))
+            res.add_row(name, s, label, ms, detail)
+            r = res.data["rows"][-1]
+            comp = (f"compile {res.data['compile'][-1]['total_s']:.1f} s, "
+                    if info is not None else "")
+            say(f"{tag}: rows {rows} x {detail['chunks']}, {comp}first prefill {first:.2f} s, "
+                f"{ms:.2f} ms median of {iters}, {r['tok_s']:.0f} tok/s, MFU "
+                f"{100 * r['mfu']:.2f}%, token {token}"
+                + ("" if diff is None else f", max|dlogits| vs jax-plain {diff:.4g}")
+                + ("" if self_diff is None else
+                   f", vs its chunk {self_diff[0]} {self_diff[1]:.4g}"))
+        except Exception as e:  # noqa: BLE001  (one row failing never stops the run)
+            msg = one_line(e)
+            res.data["errors"].append({"system": name, "prompt": s, "chunk": label, "error": msg})
+            failed[(s, rows)] = label
+            say(f"{tag}: FAILED {msg}")
+        finally:
+            if isinstance(h, Handle):
+                h.states.clear()
+                h.items.clear()
+            h = None
+            gc.collect()
+        res.write()
+
+
+def sysobj_context(sysobj, s, rows):
+    return sysobj.context(s, rows) if hasattr(sysobj, "context") else s
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-4b")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--prompts", default="1024,4096,8192,32768", help="prompt lengths S")
+    ap.add_argument("--chunks", default="512,2048,whole", help="chunk sizes; `whole` = S")
+    ap.add_argument("--systems", default="all", help=f"comma-separated of {','.join(SYSTEMS)}")
+    ap.add_argument("--iters", type=int, default=3, help="timed prefills per row (median)")
+    ap.add_argument("--out", default=None,
+                    help="default <UTC date>-h200-prefill/ in $OUT when set (the device "
+                    "machine's), else in experiments/results/")
+    ap.add_argument("--max_seconds", type=float, default=480,
+                    help="start no row after this many seconds (0: no limit)")
+    ap.add_argument("--at", default=None, help="the 2-stage cut (cli.parse_at syntax); default "
+                    "18, or the middle layer of a model with fewer layers")
+    ap.add_argument("--skip", default="", help="rows to skip: system:S:chunk,...")
+    ap.add_argument("--exact_context", action="store_true",
+                    help="context = S for every program (default: chunk programs are compiled "
+                    "once with the largest prompt's context and shared by all prompts)")
+    ap.add_argument("--plain_attention", default="auto",
+                    help="jax-plain's implementation: auto (cudnn, xla on the CPU), cudnn, xla")
+    ap.add_argument("--peak", type=float, default=PEAK, help="peak FLOP/s for MFU")
+    ap.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after kernjax's own")
+    ap.add_argument("--replot", metavar="DIR", help="only rewrite DIR's README.md and mfu.png from "
+                    "its results.json (alone, no other flag)")
+    a = ap.parse_args(argv)
+    a.prompts = sorted({int(x) for x in a.prompts.split(",") if x.strip()})
+    a.chunks = [x.strip() if x.strip() == "whole" else int(x) for x in a.chunks.split(",")
+                if x.strip()]
+    a.systems = list(SYSTEMS) if a.systems == "all" else [x.strip() for x in a.systems.split(",")]
+    bad = [x for x in a.systems if x not in SYSTEMS]
+    if bad:
+        ap.error(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}")
+    a.systems = [x for x in RUN_ORDER if x in a.systems]
+    a.skip = {x.strip() for x in a.skip.split(",") if x.strip()}
+    if a.plain_attention == "xla":
+        a.plain_attention = None
+    at = a.at
+    a.at_of = lambda cfg: at or ("18" if cfg.layers > 18 else str(cfg.layers // 2))
+    return a
+
+
+def replot(out: Path) -> None:
+    """Rewrites README.md and mfu.png of a results directory from its results.json (for a
+    machine without matplotlib: run this where it is installed)."""
+    data = json.loads((out / "results.json").read_text())
+    _, cfg = models.named(data["model"])
+    res = Results.__new__(Results)
+    res.out, res.cfg, res.data = out, cfg, data
+    res.args = argparse.Namespace(iters=data["iters"], peak=data["peak_flops"])
+    res.write(plot=True)
+    say(f"rewrote {out}/README.md and mfu.png from results.json")
+
+
+def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":
+        return replot(Path(sys.argv[2]))
+    args = parse_args()
+    if args.xla_flags:
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
+    fam, cfg = models.named(args.model)
+    day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    base = Path(os.environ["OUT"]) if os.environ.get("OUT") else REPO / "experiments" / "results"
+    out = Path(args.out) if args.out else base / f"{day}-h200-prefill"
+    clock = Clock(args.max_seconds)
+    t_start = time.time()
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    res = Results(args, cfg, out)
+    a_, b_, c_ = flop_terms(cfg)
+    say(f"{cfg.name} {args.dtype} on {res.data['gpu']} ({jax.default_backend()}), jax "
+        f"{jax.__version__}; prompts {args.prompts}, chunks {args.chunks}, systems "
+        f"{args.systems}, iters {args.iters}, max_seconds {args.max_seconds or 'off'}; out {out}")
+    say(f"FLOPs(S) = {a_:.4g} S + {b_:.6g} S^2 + {c_:.4g}"
+        + (f" (qwen3-4b constants: 7.267e9, 294912, 0.778e9; ratios {a_ / 7.267e9:.4f}, "
+           f"{b_ / 294912:.4f}, {c_ / 0.778e9:.4f})" if cfg.name == "qwen3-4b" else ""))
+    say(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    for s in args.prompts:
+        if s > cfg.max_positions:
+            res.data["notes"].append(f"S={s} is past max_position_embeddings "
+                                     f"{cfg.max_positions}; its rows will fail")
+    res.write()
+
+    rng = np.random.default_rng(0)
+    tokens = {s: rng.integers(0, cfg.vocab, s).astype(np.int32) for s in args.prompts}
+    jax_systems = [x for x in args.systems if x != "transformers"]
+    weights = None
+    ref_logits: dict = {}
+    left_rows = {x: distinct_rows(x, args, args.prompts) for x in args.systems}
+    try:
+        if jax_systems:
+            t = time.perf_counter()
+            weights = random_weights(fam, cfg, args.dtype)
+            nbytes = sum(x.nbytes for x in weights.values())
+            say(f"random weights on {jax.devices()[0]}: {len(weights)} tensors, "
+                f"{nbytes / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
+        for name in args.systems:
+            total = sum(left_rows[x] for x in args.systems if x in left_rows)
+            share = clock.left() * left_rows[name] / total if math.isfinite(clock.left()) \
+                else math.inf
+            share_end = time.time() + share
+            left_rows.pop(name)
+            if clock.left() <= 0:
+                for s, label, _ in grid(args, name, args.prompts):
+                    res.data["skipped"].append({"system": name, "prompt": s, "chunk": label,
+                                                "why": "not started: --max_seconds reached"})
+                say(f"[{name}] not started: --max_seconds reached")
+                res.write()
+                continue
+            say(f"[{name}] start" + (f", {share:.0f} s of {clock.left():.0f} s left"
+                                     if math.isfinite(share) else ""))
+            sysobj = None
+            try:
+                if name == "transformers":
+                    if weights is not None:  # JAX keeps its pool; at least drop our arrays
+                        weights.clear()
+                        weights = None
+                        gc.collect()
+                    try:
+                        sysobj = Transformers(name, fam, cfg, args, tokens)
+                    except ImportError as e:
+                        note = f"transformers skipped: {one_line(e)}"
+                        res.data["notes"].append(note)
+                        say(f"[{name}] {note}")
+                        continue
+                    res.data.update(torch=sysobj.versions["torch"],
+                                    transformers=sysobj.versions["transformers"],
+                                    transformers_attn=sysobj.versions["attn_implementation"],
+                                    transformers_logits=sysobj.versions["logits_arg"])
+                else:
+                    cls = {"kernjax": Kernjax, "kernjax-2stages": Kernjax,
+                           "kernjax-unconstrained": Unconstrained, "jax-plain": Plain}[name]
+                    sysobj = cls(name, fam, cfg, args, weights, tokens)
+                run_system(sysobj, args, res, args.prompts, clock, share_end, ref_logits)
+                res.data["notes"] += getattr(sysobj, "notes", [])
+            except Exception as e:  # noqa: BLE001  (a system failing never loses the others)
+                msg = one_line(e)
+                res.data["errors"].append({"system": name, "prompt": None, "chunk": None,
+                                           "error": msg})
+                say(f"[{name}] FAILED {msg}")
+            finally:
+                if sysobj is not None:
+                    try:
+                        sysobj.close()
+                    except Exception as e:  # noqa: BLE001
+                        say(f"[{name}] close failed: {one_line(e)}")
+                sysobj = None
+                gc.collect()
+                res.write(plot=True)
+    except KeyboardInterrupt as e:
+        res.data["notes"].append(f"interrupted ({e}); rows after it were not run")
+        say(f"interrupted ({e}); writing what there is")
+    finally:
+        res.data["wall_s"] = round(time.time() - t_start, 1)
+        res.write(plot=True)
+        say(f"\nwrote {out}/results.json, README.md, mfu.png in {res.data['wall_s']:.0f} s")
+        say(f"{cfg.name} {args.dtype} on {res.data['gpu']}; median ms of {args.iters}, "
+            f"MFU of {args.peak / 1e12:.0f} TFLOP/s")
+        say(res.table())
+        if res.data["errors"]:
+            say(f"{len(res.data['errors'])} failed: " + "; ".join(
+                f"{x['system']} S={x['prompt']} chunk={x['chunk']}" for x in res.data["errors"]))
+        if res.data["skipped"]:
+            say(f"{len(res.data['skipped'])} skipped (README lists why)")
+        if _OWN_CACHE:
+            shutil.rmtree(os.environ["KERNJAX_XLA_CACHE"], ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""What every kernjax process sets up before jax makes its backend: one kernel choice per call in
+every process of a cut, and compiled programs kept across restarts.
+
+- **Autotuning, shared.** XLA:GPU autotunes each GEMM and fusion (cuBLAS algorithm, Triton
+  tiling) by timing candidates, so two processes compiling the same call may choose differently
+  and round differently: the whole program in one process and its stages in others would then
+  differ. kernjax keeps autotuning (turning it off costs 1.7-6x, docs/bitwise.md) and shares its
+  results: XLA's per-fusion autotune cache lives in one directory per machine
+  (`autotune/` under `cache_root()`); the first process to compile a
+  fusion times it and writes its choice, every later one reads it. Processes compile under an
+  exclusive file lock (`compile_lock`), so two stages started together never time the same
+  fusion at once.
+- **Compiled programs, kept.** JAX's persistent compilation cache (`.../xla/jax`) holds every
+  program that took over a second to compile (`jax/` under `cache_root()`), so a restarted stage
+  loads instead of compiling.
+
+Either cache is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE_DIR`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    """`$KERNJAX_XLA_CACHE`, else `xla/` in kernjax's cache (`$KERNJAX_CACHE`, `~/.cache/kernjax`)."""
+    if os.environ.get("KERNJAX_XLA_CACHE"):
+        return Path(os.environ["KERNJAX_XLA_CACHE"])
+    return Path(os.environ.get("KERNJAX_CACHE") or Path.home() / ".cache" / "kernjax") / "xla"
+
+
+def autotune_dir() -> Path:
+    return cache_root() / "autotune"
+
+
+def configure() -> None:
+    """Sets the XLA flags and the compilation cache; a no-op for what the user set already."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "autotune_cache_dir" not in flags:
+        flags += f" --xla_gpu_per_fusion_autotune_cache_dir={autotune_dir()}"
+        os.environ["XLA_FLAGS"] = flags.strip()
+    import jax
+
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+
+
+@contextlib.contextmanager
+def compile_lock():
+    """Held while compiling on a GPU: one process at a time times and records new fusions."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        yield
+        return
+    d = autotune_dir()
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

@@ -1,0 +1,103 @@
+"""Chunked-prefill attention over a paged KV state: the body of every `attn` call.
+
+One item holds the rows of up to `seqs` sequences, split by `cu_seqlens` (rows past
+`cu_seqlens[-1]` are padding). Row r of sequence s sits at absolute position `positions[r]` and
+attends over keys 0..positions[r] of s (causal, aligned bottom-right: the chunk's own keys are
+already in the pages), read through `page_table[s]` from `kv` `[pages, 16, 2, kv_heads, head_dim]`.
+GQA: query head h reads kv head h // (heads / kv_heads). Scores and softmax in float32, the
+probabilities cast to the input dtype before they meet the values (as flash attention does),
+padding rows written as zeros.
+
+Every route follows the same rules, so that its cost follows the context the item's sequences
+have, not the page table's width, and a row's bits do not depend on what else its item holds:
+keys are visited in blocks aligned to key 0, in order, with an online softmax; the loop stops at
+the last block any row needs, and a block past a row's own position is an exact no-op for it (its
+probabilities are 0 and its running maximum does not move). No score matrix is ever whole.
+
+Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
+id, are the same everywhere): the Pallas kernel `models/attention_pallas.py` on CUDA GPUs, and
+`blockwise` below everywhere else. `blockwise` is also the GPU kernel's reference in the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+PAGE = 16
+NEG = -1e30  # a masked score: finite, so a row that has seen no key yet gets p = 0, not NaN
+
+
+def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
+    """`[rows, heads, head_dim]` attention output; the arguments are the module docstring's."""
+    from . import attention_pallas
+
+    return jax.lax.platform_dependent(
+        kv, q, positions, cu_seqlens, page_table,
+        default=functools.partial(blockwise, scale=scale),
+        cuda=functools.partial(attention_pallas.chunk_attention, scale=scale))
+
+
+def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: int = 128):
+    """Online-softmax attention in plain JAX, `block` keys at a time, over the needed blocks only.
+
+    Each block's scores are computed against every sequence's keys of that block and the row's
+    own sequence is then *selected* (never summed over), so a row's arithmetic is the same
+    whichever slot its sequence has in the item.
+    """
+    rows, heads, d = q.shape
+    kvh = kv.shape[3]
+    g = heads // kvh
+    seqs, width = page_table.shape
+    per = block // PAGE
+    nb = -(-width // per)
+    table = jnp.pad(page_table, ((0, 0), (0, nb * per - width)))
+    seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
+    valid = seq < seqs
+    own = jnp.minimum(seq, seqs - 1)[None, None, :, None, None]
+    needed = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
+    qg = q.reshape(rows, kvh, g, d)
+    f32 = jnp.float32
+
+    def step(b, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)
+        blk = kv[pages].reshape(seqs, block, 2, kvh, d)
+        s = jnp.einsum("rkgd,sbkd->kgrsb", qg, blk[:, :, 0], preferred_element_type=f32)
+        s = jnp.take_along_axis(s, own, axis=3)[:, :, :, 0] * scale
+        key = b * block + jnp.arange(block)
+        mask = valid[:, None] & (key[None, :] <= positions[:, None])
+        s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        pv = jnp.einsum("kgrb,sbkd->kgrsd", p.astype(q.dtype), blk[:, :, 1],
+                        preferred_element_type=f32)
+        pv = jnp.take_along_axis(pv, own, axis=3)[:, :, :, 0]
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    init = (jnp.full((kvh, g, rows), NEG, f32), jnp.zeros((kvh, g, rows), f32),
+            jnp.zeros((kvh, g, rows, d), f32))
+    _, l, acc = jax.lax.fori_loop(0, needed, step, init)
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    o = jnp.where(valid[None, None, :, None], o, 0.0).astype(q.dtype)
+    return o.transpose(2, 0, 1, 3).reshape(rows, heads, d)
+
+
+def reference(kv, q, positions, cu_seqlens, page_table, *, scale: float):
+    """The same function in float32 with the whole score matrix, for tests: slow, obviously right."""
+    rows, heads, d = q.shape
+    seqs, width = page_table.shape
+    kvh = kv.shape[3]
+    ctx = kv[page_table.reshape(-1)].reshape(seqs, width * PAGE, 2, kvh, d).astype(jnp.float32)
+    seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
+    valid = seq < seqs
+    keys = ctx[jnp.minimum(seq, seqs - 1)]  # [rows, keys, 2, kvh, d]
+    qg = q.astype(jnp.float32).reshape(rows, kvh, heads // kvh, d)
+    s = jnp.einsum("rkgd,rtkd->rkgt", qg, keys[:, :, 0]) * scale
+    mask = valid[:, None] & (jnp.arange(width * PAGE)[None, :] <= positions[:, None])
+    p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
+    o = jnp.einsum("rkgt,rtkd->rkgd", p, keys[:, :, 1])
+    return jnp.where(valid[:, None, None, None], o, 0.0).reshape(rows, heads, d)

@@ -1,0 +1,112 @@
+"""The attention call's portable route (`models/attention.py: blockwise`): the right function
+against a float32 reference, padding rows written as zeros, and batch invariance: a sequence's
+rows have the same bits alone and packed with others, in the op and through a whole program."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kernjax import models
+from kernjax.cut import whole
+from kernjax.item import Piece, Shape, item_shape, make_item
+from kernjax.models import attention
+from kernjax.stage import export_stage
+
+PAGE = attention.PAGE
+
+
+def paged(rng, lengths, chunks, *, kvh, heads, d, width, dtype, rows, seqs):
+    """A random paged state holding `lengths[i]` tokens of each sequence on shuffled pages, and the
+    item of each sequence's last `chunks[i]` rows (their keys are already in the pages)."""
+    need = [-(-n // PAGE) for n in lengths]
+    ids = rng.permutation(np.arange(1, sum(need) + 3))  # two spare pages stay unused
+    kv = rng.standard_normal((len(ids) + 1, PAGE, 2, kvh, d)).astype(np.float32)
+    pieces, at = [], 0
+    for n, c, k in zip(lengths, chunks, need):
+        pieces.append(Piece(np.zeros(c, np.int32), n - c, tuple(int(i) for i in ids[at:at + k])))
+        at += k
+    item = make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, PAGE))
+    q = rng.standard_normal((rows, heads, d)).astype(np.float32)
+    cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
+    return (cast(kv), cast(q), jnp.asarray(item["positions"]), jnp.asarray(item["cu_seqlens"]),
+            jnp.asarray(item["page_table"]))
+
+
+CASES = [  # (lengths, chunk rows per sequence, rows, seqs, width, block)
+    ([40], [40], 48, 1, 4, 32),  # one sequence from position 0, padding rows after it
+    ([100], [7], 8, 1, 8, 32),  # a chunk at the end of a 100-token context, last page part full
+    ([37, 1, 64], [5, 1, 16], 24, 4, 5, 32),  # three packed, one empty slot
+    ([129, 17], [64, 17], 96, 2, 9, 128),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
+@pytest.mark.parametrize("case", CASES)
+def test_blockwise_is_attention(case, dtype, tol):
+    lengths, chunks, rows, seqs, width, block = case
+    rng = np.random.default_rng(len(lengths) * 100 + rows)
+    args = paged(rng, lengths, chunks, kvh=2, heads=4, d=16, width=width, dtype=dtype,
+                 rows=rows, seqs=seqs)
+    got = jax.jit(functools.partial(attention.blockwise, scale=0.25, block=block))(*args)
+    ref = attention.reference(*[a.astype(jnp.float32) if a.dtype == dtype else a for a in args],
+                              scale=0.25)
+    got, ref = np.asarray(got, np.float32), np.asarray(ref)
+    assert got.shape == (rows, 4, 16) and not np.isnan(got).any()
+    n = sum(chunks)
+    assert np.linalg.norm(got[:n] - ref[:n]) / np.linalg.norm(ref[:n]) < tol
+    assert not got[n:].any(), "padding rows must be written as zeros"
+
+
+def test_blockwise_is_batch_invariant():
+    """The same sequence alone, and packed in another slot with others, gives the same bytes."""
+    rng = np.random.default_rng(7)
+    kw = dict(kvh=2, heads=4, d=16, width=12, dtype="bfloat16", rows=64, seqs=3)
+    kv, q, pos, cu, table = paged(rng, [150, 33, 90], [20, 33, 11], **kw)
+    fn = jax.jit(functools.partial(attention.blockwise, scale=0.25, block=32))
+    packed = np.asarray(fn(kv, q, pos, cu, table))
+    # Alone: the third sequence moved to slot 0 and row 0, the same pages and queries.
+    a, b = int(cu[2]), int(cu[3])
+    q1 = jnp.zeros_like(q).at[: b - a].set(q[a:b])
+    pos1 = jnp.zeros_like(pos).at[: b - a].set(pos[a:b])
+    cu1 = jnp.asarray([0, b - a, b - a, b - a], jnp.int32)
+    table1 = jnp.zeros_like(table).at[0].set(table[2])
+    alone = np.asarray(fn(kv, q1, pos1, cu1, table1))
+    assert alone[: b - a].tobytes() == packed[a:b].tobytes()
+
+
+def test_a_prompt_alone_and_packed_gives_the_same_logits():
+    """Through the whole qwen3-tiny program (bf16, 4 sequences an item), two chunks each."""
+    fam, cfg = models.named("qwen3-tiny")
+    program = fam.program(cfg, dtype="bfloat16", rows=64, seqs=4, context=256)
+    shape = item_shape(program, fam.PAGE)
+    donate = tuple(i for i, s in enumerate(program.inputs) if s.role == "state")
+    fn = jax.jit(export_stage(whole(program)).call, donate_argnums=donate)
+    rng = np.random.default_rng(3)
+    weights = {s.name: jnp.asarray(0.05 * rng.standard_normal(s.shape), s.dtype)
+               for s in program.inputs if s.role == "weight"}
+    lo = [o.name for o in program.outputs].index("logits")
+    prompt, other, third = (rng.integers(0, cfg.vocab, n) for n in (50, 40, 30))
+
+    def run(chunks):  # chunks: per item, a list of (tokens, start, pages)
+        states = {s.name: jnp.zeros(s.shape, s.dtype) for s in program.inputs if s.role == "state"}
+        outs = []
+        for pieces in chunks:
+            item = make_item([Piece(t, a, p) for t, a, p in pieces], shape)
+            args = [weights.get(s.name, states.get(s.name)) if s.role in ("weight", "state")
+                    else item[s.name] for s in program.inputs]
+            out = fn(*args)
+            states.update({o.name: v for o, v in zip(program.outputs, out) if o.role == "state"})
+            outs.append(np.asarray(out[lo]))
+        return outs
+
+    alone = run([[(prompt[:30], 0, (5, 2, 9, 4))], [(prompt[30:], 30, (5, 2, 9, 4))]])
+    packed = run([[(other[:34], 0, (1, 3, 6)), (prompt[:30], 0, (10, 7, 11, 8))],
+                  [(third, 0, (12, 13)), (other[34:], 34, (1, 3, 6)),
+                   (prompt[30:], 30, (10, 7, 11, 8))]])
+    assert alone[0][0].tobytes() == packed[0][1].tobytes()
+    assert alone[1][0].tobytes() == packed[1][2].tobytes()
