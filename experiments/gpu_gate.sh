@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The GPU gates and benchmarks in one device call. Steps, in the order given:
 #
-#   tests      the GPU tests (attention kernel, cut, parity, FFI, whole vs stages in separate processes)
+#   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
-#   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, 512 and 2048 rows
+#   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
@@ -39,8 +39,8 @@ for step in "$@"; do
   case $step in
   tests)
     log "tests on the GPU"
-    python -m pytest -q tests/test_attention_pallas.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_parity.py > "$OUT/logs/tests.log" 2>&1
+    python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention.py tests/test_cut.py \
+      tests/test_processes.py tests/test_ffi.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say ;;
   attention)
     log "attention kernel"
@@ -49,7 +49,7 @@ for step in "$@"; do
     tail -14 "$OUT/logs/attention.log" | say ;;
   bounds)
     log "boundary cost"
-    for r in 512 2048; do
+    for r in ${ROWS:-512 2048}; do
       python experiments/boundaries.py --model qwen3-4b --rows "$r" --context 8192 \
         > "$OUT/logs/bounds-$r.log" 2>&1
       tail -1 "$OUT/logs/bounds-$r.log" | say

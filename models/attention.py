@@ -60,12 +60,14 @@ def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: 
     needed = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
     qg = q.reshape(rows, kvh, g, d)
     f32 = jnp.float32
+    prec = jax.lax.Precision.HIGHEST if q.dtype == f32 else None  # float32 not as TF32 on GPUs
 
     def step(b, carry):
         m, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)
         blk = kv[pages].reshape(seqs, block, 2, kvh, d)
-        s = jnp.einsum("rkgd,sbkd->kgrsb", qg, blk[:, :, 0], preferred_element_type=f32)
+        s = jnp.einsum("rkgd,sbkd->kgrsb", qg, blk[:, :, 0], preferred_element_type=f32,
+                       precision=prec)
         s = jnp.take_along_axis(s, own, axis=3)[:, :, :, 0] * scale
         key = b * block + jnp.arange(block)
         mask = valid[:, None] & (key[None, :] <= positions[:, None])
@@ -74,7 +76,7 @@ def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: 
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
         pv = jnp.einsum("kgrb,sbkd->kgrsd", p.astype(q.dtype), blk[:, :, 1],
-                        preferred_element_type=f32)
+                        preferred_element_type=f32, precision=prec)
         pv = jnp.take_along_axis(pv, own, axis=3)[:, :, :, 0]
         return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
 
@@ -96,8 +98,9 @@ def reference(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     valid = seq < seqs
     keys = ctx[jnp.minimum(seq, seqs - 1)]  # [rows, keys, 2, kvh, d]
     qg = q.astype(jnp.float32).reshape(rows, kvh, heads // kvh, d)
-    s = jnp.einsum("rkgd,rtkd->rkgt", qg, keys[:, :, 0]) * scale
+    hi = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("rkgd,rtkd->rkgt", qg, keys[:, :, 0], precision=hi) * scale
     mask = valid[:, None] & (jnp.arange(width * PAGE)[None, :] <= positions[:, None])
     p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
-    o = jnp.einsum("rkgt,rtkd->rkgd", p, keys[:, :, 1])
+    o = jnp.einsum("rkgt,rtkd->rkgd", p, keys[:, :, 1], precision=hi)
     return jnp.where(valid[:, None, None, None], o, 0.0).reshape(rows, heads, d)

@@ -132,7 +132,13 @@ def _rms(x, w, eps):
 
 
 def _linear(x, w):
-    return jnp.einsum("...i,oi->...o", x, w)
+    return jnp.einsum("...i,oi->...o", x, w, precision=exact(x.dtype))
+
+
+def exact(dtype):
+    """float32 products in full precision: a GPU would otherwise take float32 dots as TF32.
+    `None` (the default) for bf16, whose products are exact on every backend."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
