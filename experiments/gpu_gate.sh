@@ -7,7 +7,7 @@
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
-#   OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill
+#   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill
 #
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 KERNJAX_CACHE=$PWD/.kjcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+# The device copy's git may name an older commit than the tree it holds: pass KERNJAX_COMMIT.
+export KERNJAX_COMMIT=${KERNJAX_COMMIT:-}
 CHUNKS=${CHUNKS:-"512 64"}
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
 say() { tee -a "$OUT/gate.log"; }
@@ -24,7 +26,7 @@ pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs; }
 trap pack EXIT
 
 {
-  log "machine, commit $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes)"
+  log "machine, commit ${KERNJAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv,noheader
   python -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__, jax.devices())'
   nvcc --version | tail -1

@@ -527,6 +527,9 @@ def random_weights(fam, cfg, dtype):
 
 
 def git_commit() -> tuple[str, bool | None]:
+    """`$KERNJAX_COMMIT` when set (a copied tree's git may name another commit), else git's."""
+    if os.environ.get("KERNJAX_COMMIT"):
+        return os.environ["KERNJAX_COMMIT"], False
     try:
         c = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                            text=True, timeout=10)
@@ -763,10 +766,14 @@ class Results:
         series: dict = {}
         for r in self.data["rows"]:
             series.setdefault((r["system"], str(r["chunk"])), []).append((r["prompt"], r["mfu"]))
-        fig, ax = plt.subplots(figsize=(8, 5))
+        fig, ax = plt.subplots(figsize=(9, 5.5))
+        systems = sorted({s for s, _ in series})
+        color = {s: f"C{i}" for i, s in enumerate(systems)}  # one colour a system
+        style = {"whole": "-", "2048": "--", "512": ":"}  # one line style a chunk setting
         for (system, chunk), pts in sorted(series.items()):
             pts.sort()
             ax.plot([p for p, _ in pts], [100 * m for _, m in pts], marker="o",
+                    color=color[system], linestyle=style.get(chunk, "-."),
                     label=f"{system}, chunk {chunk}")
         ax.set_xscale("log", base=2)
         prompts = sorted({r["prompt"] for r in self.data["rows"]})
