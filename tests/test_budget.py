@@ -13,8 +13,9 @@ def _lines(pattern: str) -> int:
 
 
 def test_size_budget():
-    # Core (trace, cut, stage, run, weights) ~1,700 lines; serving ~1,300.
-    assert _lines("kernjax/**/*.py") < 3500
+    # Core (trace, cut, stage, run, weights, xla) ~1,900 lines; serving with the OpenAI surface
+    # and its hardening against bad input ~2,300.
+    assert _lines("kernjax/**/*.py") < 4600
     assert _lines("csrc/*") < 500
 
 
