@@ -5,6 +5,7 @@
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
+#   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill
@@ -69,6 +70,13 @@ for step in "$@"; do
         grep -vE "^loading weights" "$OUT/logs/chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/$at-$c"
       done
+    done ;;
+  calls)
+    log "time per call"
+    for r in 512 2048; do
+      python experiments/calls.py --model qwen3-4b --rows "$r" --context 8192 \
+        --out "$OUT/logs/calls-$r.json" > "$OUT/logs/calls-$r.log" 2>&1
+      tail -22 "$OUT/logs/calls-$r.log" | say
     done ;;
   prefill)
     log "prefill benchmark"

@@ -1,0 +1,95 @@
+"""Where a prefill chunk's time goes, call by call: each call of one program run alone, lowered as
+the platform lowers it in a stage (`kernjax.trace.as_function`), on random inputs of its shapes.
+
+Calls of the same name in every layer have the same shapes, so by default only the calls outside
+the layers and those of layer 0 are timed and the per-layer ones are multiplied by the layer count.
+The attention call reads the KV state: its positions are set so the chunk sits at the end of
+`--context` tokens (one sequence), so it does the work of the last chunk of such a prompt.
+Prints a table (ms per call, share of the sum) and, with `--out`, writes JSON: the profile
+`kernjax.cut --at auto` could use.
+
+    python experiments/calls.py --model qwen3-4b --rows 512 --context 8192 --out calls.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import time
+from collections import Counter
+
+import kernjax  # noqa: F401  (XLA caches before jax starts)
+import jax
+import jax.extend.core as jex
+import numpy as np
+from jax import export
+
+from kernjax import models
+from kernjax.item import Piece, item_shape, make_item
+from kernjax.trace import as_function, states_of
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="qwen3-tiny")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--all", action="store_true", help="time every call, not layer 0 alone")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    fam, cfg = models.named(a.model)
+    program = fam.program(cfg, dtype=a.dtype, rows=a.rows, context=a.context)
+    item = make_item([Piece(np.zeros(a.rows, np.int32), a.context - a.rows,
+                            tuple(range(1, a.context // fam.PAGE + 1)))],
+                     item_shape(program, fam.PAGE))
+    platform = export.default_export_platform()
+    jp = program.jaxpr.jaxpr
+    given = {v: item[s.name] for v, s in zip(jp.invars, program.inputs) if s.role in ("fill", "table")}
+    rng = np.random.default_rng(0)
+    rows, per_layer = [], {}
+    suffix = lambda n: re.sub(r"^l\d+\.", "", n)  # noqa: E731
+    count = Counter(suffix(e.params["name"]) for e in jp.eqns)
+    for k, e in enumerate(jp.eqns):
+        name = e.params["name"]
+        m = re.fullmatch(r"l(\d+)\.(.+)", name)
+        if m and int(m[1]) > 0 and not a.all and m[2] in per_layer:
+            continue
+        one = jex.ClosedJaxpr(jex.Jaxpr([], e.invars, e.outvars, [e]), [])
+        args = [given[v] if v in given else
+                (rng.standard_normal(v.aval.shape) * 0.02).astype(v.aval.dtype)
+                if np.issubdtype(v.aval.dtype, np.floating) else
+                np.zeros(v.aval.shape, v.aval.dtype) for v in e.invars]
+        fn = jax.jit(as_function(one, platform), donate_argnums=tuple(range(states_of(e))))
+        args = [jax.device_put(x) for x in args]
+        times = []
+        for i in range(a.iters + 1):
+            t = time.perf_counter()
+            out = jax.block_until_ready(fn(*args))
+            times.append(time.perf_counter() - t)
+            args[:states_of(e)] = out[:states_of(e)]  # a donated state comes back
+        times = times[1:]
+        ms = statistics.median(times) * 1e3
+        key = suffix(name)
+        n = 1 if a.all else count[key]
+        per_layer.setdefault(key, 0.0)
+        per_layer[key] += ms * n
+        rows.append({"call": k, "name": name, "ms": ms, "times": n})
+    total = sum(per_layer.values())
+    print(f"{a.model} {a.dtype} rows {a.rows}, chunk at the end of {a.context} tokens, on "
+          f"{jax.devices()[0].device_kind} (jax {jax.__version__}), median of {a.iters}")
+    print("| call | ms (all layers) | share |\n|---|---:|---:|")
+    for key, ms in sorted(per_layer.items(), key=lambda kv: -kv[1]):
+        print(f"| {key} | {ms:.3f} | {100 * ms / total:.1f} % |")
+    print(f"| sum | {total:.3f} | |")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"model": a.model, "rows": a.rows, "context": a.context,
+                       "device": jax.devices()[0].device_kind, "calls": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
