@@ -7,9 +7,11 @@ must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import numpy as np
 
+from kernjax.cut import counted
 from kernjax.run import Pipeline
 
 
@@ -36,19 +38,22 @@ def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *,
             if d and first is None:
                 first = chunks
             diff += d
-        line = f"prompt {n}: {len(prompt)} tokens, {chunks} chunks: "
+        line = f"prompt {n}: {counted(len(prompt), 'token')}, {counted(chunks, 'chunk')}: "
         if diff:
             ok = False
             say(line + f"DIFFERENT ({diff} bytes differ, first at chunk {first})")
         else:
             say(line + "IDENTICAL")
-    say(f"PASS: {len(prompts)} prompts bitwise identical" if ok else
+    say(f"PASS: {counted(len(prompts), 'prompt')} bitwise identical" if ok else
         f"FAIL: the stages differ from the whole program on some of {len(prompts)} prompts")
     return ok
 
 
 def read_prompts(path) -> list[list[int]]:
     """One prompt per non-empty line, token ids separated by whitespace."""
+    if not Path(path).exists() or Path(path).is_dir():
+        raise ValueError(f"--prompts `{path}` " + ("is a directory" if Path(path).exists() else
+                                                   "does not exist"))
     out = []
     with open(path) as f:
         for k, line in enumerate(f, 1):

@@ -2,14 +2,20 @@
 
 Thin absl shells over the library: each defines its flags, turns them into plain arguments and
 prints. A user error (bad flag value, a refused cut, a checkpoint that does not fit) ends with a
-one-paragraph message and exit status 2, never a traceback.
+one-paragraph message and exit status 2, never a traceback; Ctrl-C ends with `interrupted` and
+status 130. `--help` lists the flags the command defines.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import shutil
+import signal
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -18,28 +24,66 @@ from absl import app, flags, logging
 FLAGS = flags.FLAGS
 
 
+HELP = {"--help", "-help", "--helpshort", "-helpshort", "-h", "-?"}
+
+
 def run(main_def) -> None:
-    """Defines a command's flags and runs it under absl, turning user errors into messages."""
-    main = main_def()
+    """Defines a command's flags and runs it under absl. `--help` lists the flags the command
+    defined and exits 0; a user error is a message and status 2; Ctrl-C is one line and 130."""
+    for sig in (signal.SIGINT, signal.SIGTERM):  # also where a shell started us with SIGINT ignored
+        signal.signal(sig, _stop)
+    try:
+        before = {id(FLAGS[n]) for n in FLAGS}  # objects: a command may override absl's own flag
+        main = main_def()
+        args = sys.argv[1:]
+        if HELP & set(args[:args.index("--")] if "--" in args else args):
+            own = {FLAGS[n] for n in FLAGS if id(FLAGS[n]) not in before}
+            print(usage(main_def.__doc__ or sys.modules["__main__"].__doc__ or "",
+                        sorted(own, key=lambda f: f.name)))
+            sys.exit(0)
 
-    def wrapped(argv):
-        logging.set_verbosity(logging.WARNING)
-        extra = argv[1:]
-        takes = getattr(main, "takes_args", False)
-        if extra and not takes and extra != getattr(main, "verbs", [])[:1] * len(extra):
-            _fail(f"unexpected arguments {extra}; every option is a --flag (see --help)")
-        from kernjax.cut import CutError
-        from kernjax.runner import StageError
-        from kernjax.stage import ArtifactError
-        from kernjax.trace import TraceError
-        from kernjax.weights import WeightError
+        def wrapped(argv):
+            logging.set_verbosity(logging.WARNING)
+            extra = argv[1:]
+            takes, verbs = getattr(main, "takes_args", False), getattr(main, "verbs", [])
+            if extra and not takes and extra != verbs[:1] * len(extra):
+                _fail(f"unexpected arguments {extra}; " + (f"the verb is {verbs[0]}, " if verbs
+                      else "") + "every option is a --flag (see --help)")
+            from kernjax.cut import CutError
+            from kernjax.runner import StageError
+            from kernjax.stage import ArtifactError
+            from kernjax.trace import TraceError
+            from kernjax.weights import WeightError
+            try:
+                return main(extra) if takes else main()
+            except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
+                    RuntimeError, OSError) as e:
+                _fail(str(e))
+
+        app.run(wrapped)
+    except KeyboardInterrupt as e:
+        term = str(e) == "SIGTERM"
+        print("terminated" if term else "interrupted", file=sys.stderr, flush=True)
         try:
-            return main(extra) if takes else main()
-        except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
-                RuntimeError, OSError) as e:
-            _fail(str(e))
+            sys.stdout.flush()
+        finally:
+            os._exit(143 if term else 130)  # at once: a thread still running must not hold the exit
 
-    app.run(wrapped)
+
+def _stop(signum, _frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def usage(doc: str, own) -> str:
+    """The command's usage (its docstring) and its flags, each with its help and default."""
+    lines = [doc.strip(), "", "flags:"]
+    for f in own:
+        req = any("other than None" in getattr(v, "message", "") for v in f.validators)
+        tail = " (required)" if req else "" if f.default is None else f" (default: {f.default})"
+        lines.append(textwrap.fill(f"  --{'[no]' if f.boolean else ''}{f.name}: {f.help}{tail}",
+                                   100, subsequent_indent="      "))
+    lines += ["", "Flags can also come from a file: --flagfile=FILE. --helpfull lists absl's too."]
+    return "\n".join(lines)
 
 
 def _fail(msg: str) -> None:
@@ -62,9 +106,14 @@ def source_flags() -> None:
 def source():
     """`(family, config, checkpoint reference, dtype)` from --model/--weights/--dtype/--seed."""
     from kernjax import models, weights
-    if bool(FLAGS.model) == bool(FLAGS.weights):
-        raise ValueError("give exactly one of --model NAME (random weights; known: "
-                         f"{', '.join(models.names())}) or --weights CHECKPOINT_DIR")
+    if FLAGS.model and FLAGS.weights:
+        raise ValueError("give --model NAME or --weights DIR, not both (a checkpoint names its "
+                         "model)")
+    if not (FLAGS.model or FLAGS.weights):
+        modes = [f"--{f} DIR (made by `kernjax.cut`)" for f in ("stages", "stage_dir")
+                 if f in FLAGS]
+        modes += [f"--model NAME (random weights; known: {', '.join(models.names())})"]
+        raise ValueError(f"no model given: pass {', '.join(modes)} or --weights CHECKPOINT_DIR")
     if FLAGS.weights:
         path = Path(FLAGS.weights).resolve()
         fam, cfg = weights.read_config(path)
@@ -80,24 +129,39 @@ def model_meta(fam, cfg) -> dict:
 
 
 def parse_at(text: str, calls) -> list[int]:
-    """`18` is the first call of layer 18 (`l18.`), `c218` is call 218; commas separate points."""
-    out = []
-    for tok in text.split(","):
-        tok = tok.strip()
+    """`18` is the first call of layer 18 (`l18.`), `c218` is call 218; commas separate points.
+    Points are checked in the user's words: a layer that does not exist or has no layer before it
+    (0), a bad token, points out of order."""
+    layers = sorted({int(m[1]) for c in calls if (m := re.match(r"l(\d+)\.", c))})
+    span = f"cut at a layer from 1 to {layers[-1]} or at a call c<N>" if layers else \
+        "name a call index with c<N>"
+    out, said, errs = [], [], []
+    for tok in (t.strip() for t in text.split(",")):
         if tok.startswith("c") and tok[1:].isdigit():
             out.append(int(tok[1:]))
+            said.append(f"call {int(tok[1:])}")
+        elif tok.isdigit() and int(tok) in layers[1:]:
+            out.append(next(i for i, c in enumerate(calls) if c.startswith(f"l{int(tok)}.")))
+            said.append(f"layer {int(tok)} (call {out[-1]})")
         elif tok.isdigit():
-            k = next((i for i, c in enumerate(calls) if c.startswith(f"l{tok}.")), None)
-            if k is None:
-                raise ValueError(f"--at {tok}: the program has no layer {tok} (no call named "
-                                 f"`l{tok}.*`); name a call index with c<N>")
-            out.append(k)
+            errs.append(f"--at {tok}: " + (f"a cut before layer {tok} leaves stage 0 without a "
+                                           "layer" if int(tok) in layers else
+                                           f"the program has no layer {tok}") + f"; {span}")
         else:
-            raise ValueError(f"--at `{tok}`: give a layer number (18) or a call index (c218)")
+            errs.append(f"--at `{tok}`: give a layer number (18) or a call index (c218)")
+    errs += [f"--at {text}: {sa} and {sb} are not increasing; give the points in order"
+             for a, b, sa, sb in zip(out, out[1:], said, said[1:]) if b <= a]
+    if errs:
+        raise ValueError("\n".join(errs))
     return out
 
 
 def cut_main():
+    """Usage: python -m kernjax.cut (--model NAME | --weights DIR) --at POINTS --out DIR
+
+Traces the model's forward, cuts it before each point (18: layer 18; c218: call 218; commas
+separate points), prints what each stage keeps and sends, and writes stage0/ .. stageN/ and
+whole/ into DIR, replacing a previous cut there."""
     source_flags()
     flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated")
     flags.DEFINE_string("out", None, "directory for stage0/ .. stageN/ and whole/")
@@ -109,9 +173,11 @@ def cut_main():
 
     def main():
         from kernjax import stage as artifacts
-        from kernjax.cut import cut, describe, whole
+        from kernjax.cut import counted, cut, describe, whole
         from kernjax.item import item_shape
         fam, cfg, ref, dtype = source()
+        out = Path(FLAGS.out)
+        old = previous_cut(out)
         t0 = time.time()
         program = fam.program(cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
                               context=FLAGS.context, pages=FLAGS.pages)
@@ -121,14 +187,39 @@ def cut_main():
         print(describe(program, stages))
         meta = dict(model=model_meta(fam, cfg), checkpoint=ref, dtype=dtype,
                     item=item_shape(program, fam.PAGE))
-        out = Path(FLAGS.out)
+        if old:
+            _say(f"removing the previous cut from {out}: {', '.join(old)}")
+            for name in old:
+                shutil.rmtree(out / name)
         for st in (*stages, whole(program)):
             name = f"stage{st.index}" if st.stages > 1 else "whole"
-            _say(f"writing {out / name} ({len(st.calls)} calls)")
+            _say(f"writing {out / name} ({counted(len(st.calls), 'call')})")
             artifacts.write(out / name, st, **meta)
-        print(f"wrote {len(stages)} stages and whole/ to {out} in {time.time() - t0:.1f} s")
+        print(f"wrote {counted(len(stages), 'stage')} and whole/ to {out} in "
+              f"{time.time() - t0:.1f} s")
 
     return main
+
+
+def previous_cut(out: Path) -> list[str]:
+    """The stage directories a previous cut wrote into `out`; refuses an `out` that holds
+    anything a cut does not write."""
+    from kernjax.stage import PROGRAM
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise ValueError(f"--out `{out}` is a file; give a directory")
+    ours, other = [], []
+    for p in sorted(out.iterdir()):
+        mine = (re.fullmatch(r"stage\d+|whole", p.name) and p.is_dir()
+                and {f.name for f in p.iterdir()} <= {"manifest.json", PROGRAM}
+                and (p / "manifest.json").is_file()
+                and '"cut"' in (p / "manifest.json").read_text(errors="replace"))
+        (ours if mine else other).append(p.name + "/" * p.is_dir())
+    if other:
+        raise ValueError(f"--out `{out}` holds {', '.join(other[:5])}{' ...' * (len(other) > 5)}"
+                         ", which kernjax.cut did not write; cut into a new or empty directory")
+    return ours
 
 
 def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, context: int,
@@ -151,15 +242,30 @@ def _pipeline(stages_dir: Path, names, *, dtype, weights_dir, cache):
 
 
 def stage_names(stages_dir: Path) -> list[str]:
+    """The stage directories of a cut directory, in order; a path a level off says which to use."""
+    if not stages_dir.is_dir():
+        raise ValueError(f"--stages `{stages_dir}` does not exist" if not stages_dir.exists() else
+                         f"--stages `{stages_dir}` is a file; give a `kernjax.cut --out` directory")
     names = sorted((p.name for p in stages_dir.glob("stage*") if p.name[5:].isdigit()),
                    key=lambda n: int(n[5:]))
-    if not names:
-        raise ValueError(f"`{stages_dir}` holds no stage0/ .. directories; make them with "
-                         "`python -m kernjax.cut --out`")
-    return names
+    if names:
+        return names
+    if (stages_dir / "manifest.json").is_file():
+        up = (stages_dir if stages_dir.name else stages_dir.resolve()).parent
+        raise ValueError(f"`{stages_dir}` is one stage; --stages takes the cut directory that "
+                         f"holds it: `{up}`")
+    cuts = sorted(str(p.parent) for p in stages_dir.glob("*/stage0"))
+    raise ValueError(f"`{stages_dir}` holds no stage0/ .. directories; " + (
+        f"it holds cuts: pass one of {', '.join(f'`{c}`' for c in cuts)}" if cuts else
+        "make them with `python -m kernjax.cut --out`"))
 
 
 def run_main():
+    """Usage: python -m kernjax.run (--stages DIR | --model NAME | --weights DIR)
+                         (--prompt TEXT | --tokens IDS)
+
+Prefills one prompt, chunk by chunk, through a cut's stages or the whole program, and prints the
+prompt's length and its first token."""
     source_flags()
     flags.DEFINE_string("prompt", None, "a text prompt (needs the checkpoint's tokenizer.json)")
     flags.DEFINE_string("tokens", None, "a prompt as token ids: \"1 2 3\"")
@@ -170,16 +276,18 @@ def run_main():
     def main():
         import numpy as np
         from kernjax import stage as artifacts
+        from kernjax.cut import counted
         from kernjax.run import Pipeline
         from kernjax.runner import Runner, checkpoint_dir, load_weights
-        if bool(FLAGS.prompt) == bool(FLAGS.tokens):
+        if (FLAGS.prompt is None) == (FLAGS.tokens is None):
             raise ValueError("give exactly one of --prompt TEXT or --tokens \"1 2 3\"")
         if FLAGS.stages:
             if FLAGS.model:
                 raise ValueError("--stages names the model already; drop --model")
             sd = Path(FLAGS.stages)
             m = artifacts.read(sd / stage_names(sd)[0]).manifest
-            ref_dir = Path(FLAGS.weights) if FLAGS.weights else checkpoint_dir(m["checkpoint"])
+            ref_dir = Path(FLAGS.weights) if FLAGS.weights else \
+                checkpoint_dir(m["checkpoint"], sd / "stage0")
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
             pipe = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
                              cache={})
@@ -200,7 +308,7 @@ def run_main():
         token = int(np.asarray(out["next_token"])[0])
         logits = np.asarray(out["logits"])[0].astype(np.float32)
         text = _decode(ref_dir, token)
-        print(f"prompt: {len(tokens)} tokens; first token: {token}"
+        print(f"prompt: {counted(len(tokens), 'token')}; first token: {token}"
               + (f" {text!r}" if text is not None else "")
               + f" ({time.time() - t0:.2f} s, compile included)")
         if FLAGS.save:
@@ -212,7 +320,7 @@ def run_main():
 
 def _prompt(ckpt: Path, vocab: int) -> list[int]:
     """The prompt of --prompt (through the checkpoint's tokenizer) or --tokens, checked."""
-    if FLAGS.prompt:
+    if FLAGS.prompt is not None:
         tok = tokenizer(ckpt)
         if tok is None:
             raise ValueError("--prompt needs the checkpoint's tokenizer.json, and this checkpoint "
@@ -246,6 +354,11 @@ def _decode(ckpt: Path | None, token: int) -> str | None:
 
 
 def chain_main():
+    """Usage: python -m kernjax.chain --stages DIR --prompts FILE
+
+The chain gate: runs every prompt of FILE (token ids, one prompt a line) through the cut's whole/
+and through its stages, compares logits and tokens bitwise after every chunk, prints one line per
+prompt and PASS or FAIL; exits 0 on PASS, 1 on FAIL."""
     flags.DEFINE_string("stages", None, "a `kernjax.cut --out` directory (whole/ and stage*/)")
     flags.DEFINE_string("prompts", None, "a file with one line of token ids per prompt")
     flags.DEFINE_integer("chunk", None, "rows per chunk (default: the stages' rows)")
@@ -255,18 +368,21 @@ def chain_main():
 
     def main():
         from kernjax.chain import chain, read_prompts
+        from kernjax.cut import counted
         sd = Path(FLAGS.stages)
         prompts = read_prompts(FLAGS.prompts)
+        names = stage_names(sd)
         cache = {}
         t0 = time.time()
         whole = _pipeline(sd, ["whole"], dtype=FLAGS.dtype, weights_dir=FLAGS.weights, cache=cache)
-        split = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
+        split = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
                           cache=cache)
         vocab = whole.runners[0].art.manifest["model"]["config"]["vocab"]
         for k, p in enumerate(prompts):
             if any(not 0 <= t < vocab for t in p):
                 raise ValueError(f"prompt {k} has token ids outside the vocabulary 0..{vocab - 1}")
-        _say(f"loaded whole/ and {len(split.runners)} stages in {time.time() - t0:.1f} s")
+        _say(f"loaded whole/ and {counted(len(split.runners), 'stage')} in "
+             f"{time.time() - t0:.1f} s")
         ok = chain(whole, split, prompts, chunk=FLAGS.chunk or whole.shape.rows)
         sys.exit(0 if ok else 1)
 
@@ -274,6 +390,11 @@ def chain_main():
 
 
 def weights_main():
+    """Usage: python -m kernjax.weights random --model NAME --out DIR [--seed N] [--dtype D]
+
+The verb `random` writes the named model's deterministic random checkpoint in Hugging Face
+format (config.json, safetensors), with a small byte-level tokenizer.json that fits its
+vocabulary."""
     flags.DEFINE_string("model", None, "the named model")
     flags.DEFINE_integer("seed", 0, "random seed")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "dtype (default: the model's)")

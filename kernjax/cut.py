@@ -214,6 +214,11 @@ def _partition(program: Program, bounds: list[int], points: tuple[int, ...]) -> 
     return tuple(stages)
 
 
+def counted(n: int, word: str) -> str:
+    """`1 token`, `2 tokens`: a count with its noun in agreement."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in name.replace(".", " ").split()]
 
@@ -239,7 +244,7 @@ def describe(program: Program, stages: Sequence[Stage]) -> str:
         ws = [s for s in st.inputs if s.role == "weight"]
         ss = sorted((s.name for s in st.inputs if s.role == "state"), key=_natural)
         lines.append(f"stage {st.index}: calls {st.first}..{st.end - 1} "
-                     f"(`{st.calls[0]}` .. `{st.calls[-1]}`, {len(st.calls)} calls)")
+                     f"(`{st.calls[0]}` .. `{st.calls[-1]}`, {counted(len(st.calls), 'call')})")
         lines.append(f"  weights: {len(ws)} of "
                      f"{sum(s.role == 'weight' for s in program.inputs)}, "
                      f"{_mib(sum(s.nbytes for s in ws))}")

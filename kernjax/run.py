@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kernjax.cut import counted
 from kernjax.item import Piece, chunks, make_item
 from kernjax.runner import Runner, StageError
 
@@ -61,8 +62,8 @@ def check_prompt(tokens: Sequence[int], shape, chunk: int) -> None:
         raise ValueError(f"the prompt has {len(tokens)} tokens; the program's context is "
                          f"{shape.context} (re-cut with a larger --context)")
     if -(-len(tokens) // shape.page) + 1 > shape.pages:
-        raise ValueError(f"the prompt needs {-(-len(tokens) // shape.page)} pages; the states "
-                         f"hold {shape.pages - 1}")
+        raise ValueError(f"the prompt needs {counted(-(-len(tokens) // shape.page), 'page')}; "
+                         f"the states hold {shape.pages - 1}")
 
 
 if __name__ == "__main__":

@@ -27,9 +27,14 @@ class StageError(RuntimeError):
     """A running stage got input it cannot use; names the stage and the slot."""
 
 
-def checkpoint_dir(ref: dict) -> Path:
-    """The directory a manifest's checkpoint reference names (made first, for random weights)."""
+def checkpoint_dir(ref: dict, where: str | Path = "the artifact") -> Path:
+    """The directory a manifest's checkpoint reference names (made first, for random weights);
+    `where` names the artifact in the message when the recorded directory is gone."""
     if "dir" in ref:
+        if not Path(ref["dir"]).is_dir():
+            raise artifacts.ArtifactError(
+                f"checkpoint `{ref['dir']}`, recorded by `{where}` when it was cut, does not "
+                "exist any more; pass --weights CHECKPOINT_DIR (or re-cut)")
         return Path(ref["dir"])
     return ckpts.random_checkpoint(ref["model"], seed=ref["seed"], dtype=ref["dtype"])
 
@@ -40,6 +45,8 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
     cache = {} if cache is None else cache
     miss = [w for w in want if (str(ckpt), w[0], w[2]) not in cache]
     fallbacks = art.manifest["model"].get("fallbacks")
+    if miss:
+        ckpts.same_model(ckpt, art.manifest["model"]["config"])
     got = ckpts.load(ckpt, miss, fallbacks=fallbacks) if miss else {}
     for name, _, dtype in miss:
         cache[(str(ckpt), name, dtype)] = got[name]
@@ -136,5 +143,5 @@ def open_stage(path: str | Path, *, weights: str | Path | None = None, dtype: st
         raise artifacts.ArtifactError(
             f"--dtype {dtype} contradicts `{path}`, which was cut for {art.dtype}; "
             f"drop --dtype or re-cut with --dtype {dtype}")
-    ckpt = Path(weights) if weights else checkpoint_dir(art.manifest["checkpoint"])
+    ckpt = Path(weights) if weights else checkpoint_dir(art.manifest["checkpoint"], path)
     return Runner(art, load_weights(art, ckpt, cache=cache))

@@ -134,6 +134,15 @@ def read(path: str | os.PathLike) -> Artifact:
     path = Path(path)
     mpath = path / "manifest.json"
     if not mpath.is_file():
+        subs = sorted(p.parent.name for p in path.glob("*/manifest.json"))  # a cut's directory
+        if not path.exists():
+            raise ArtifactError(f"`{path}` does not exist")
+        if path.is_file():
+            raise ArtifactError(f"`{path}` is a file; name the stage directory that holds it: "
+                                f"`{path.parent}`")
+        if subs:
+            raise ArtifactError(f"`{path}` holds a cut, not one stage: name one of its stages, "
+                                + ", ".join(f"`{path / n}`" for n in subs))
         raise ArtifactError(f"`{path}` has no manifest.json; make stage directories with "
                             "`python -m kernjax.cut`")
     try:

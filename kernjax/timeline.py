@@ -11,7 +11,10 @@ others. An item on stage `s` can start only once it is issued, the stage has fin
 before, and the stage upstream has finished this item:
 
     start  = max(issued[s][k], done[s][k-1], done[s-1][k])
-    wait   = start - done[s][k-1]      the stage idles, for want of input
+    gap    = start - done[s][k-1] = idle + wait, the stage has nothing to do:
+      idle   the part of the gap with no item in flight anywhere (no request to serve); an item
+             is in flight from its first issued to its last done on any stage
+      wait   the rest: pipeline wait, the stage waits for input while other stages work
     held   = done - start              its own work, plus any wait for downstream to take
     period = done[s][k] - done[s][k-1]
 
@@ -19,16 +22,19 @@ before, and the stage upstream has finished this item:
 it has no wait and no period and is left out of the statistics (hence `first=1`). In a steady
 pipeline every stage has the same period, that of the slowest stage; the slowest stage waits
 least, and a stage's wait share (total wait over total period) is the fraction of the time it
-could give to more work. Percentiles interpolate linearly between the closest ranks (numpy's
-default). Stages on different hosts read different clocks; a skew shows up as a negative held.
+could give to more work; its idle share is the time the server had nothing to do. Percentiles
+interpolate linearly between the closest ranks (numpy's default). Stages on different hosts read
+different clocks; a skew shows up as a negative held.
 
-`gantt` draws the first items as text, one row per stage: '.' is idle and a digit (the item
-number mod 10) spans the item's start to its done. `png` draws the same chart with matplotlib.
-`python -m kernjax.timeline LOG... [--png FILE]` prints the report and the text gantt.
+`gantt` draws items `first..last` (20 from `first` by default) as text, one row per stage: '.' is
+a gap and a digit (the item number mod 10) spans the item's start to its done. `png` draws the
+same chart with matplotlib. `python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K]`
+prints the report and the text gantt of the same items.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import re
 import sys
@@ -69,14 +75,42 @@ def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
     return {s: dict(sorted(items[s].items())) for s in sorted(items)}
 
 
+def _flights(items) -> tuple[list[int], list[int]]:
+    """When any item is in flight: the union of [first issued, last done] over items, merged, as
+    sorted starts and ends."""
+    spans: dict[int, list[int]] = {}
+    for per in items.values():
+        for k, (issued, done, _) in per.items():
+            a, b = spans.setdefault(k, [issued, done])
+            spans[k] = [min(a, issued), max(b, done)]
+    starts, ends = [], []
+    for a, b in sorted(spans.values()):
+        if ends and a <= ends[-1]:
+            ends[-1] = max(ends[-1], b)
+        else:
+            starts.append(a)
+            ends.append(b)
+    return starts, ends
+
+
+def _idle(a: int, b: int, starts: list[int], ends: list[int]) -> int:
+    """The part of [a, b] that no flight covers."""
+    busy, i = 0, bisect.bisect_right(ends, a)
+    while i < len(starts) and starts[i] < b:
+        busy += max(0, min(b, ends[i]) - max(a, starts[i]))
+        i += 1
+    return (b - a) - busy
+
+
 def _spans(items):
-    """Stage -> item -> (start, done, wait, period) over the items on every stage, in µs; wait and
-    period are None for an item whose previous item the stage did not log."""
+    """Stage -> item -> (start, done, wait, idle, period) over the items on every stage, in µs;
+    wait, idle and period are None for an item whose previous item the stage did not log."""
     stages = sorted(items)
     common = sorted(set.intersection(*(set(items[s]) for s in stages)))
     if not common:
         raise ValueError(f"no item is on every stage ({', '.join(map(str, stages))}); "
                          + "; ".join(f"stage {s} logs items {_ranges(items[s])}" for s in stages))
+    flights = _flights(items)
     out = {}
     for i, s in enumerate(stages):
         own, up = items[s], items[stages[i - 1]] if i else None
@@ -85,8 +119,11 @@ def _spans(items):
             issued, done, _ = own[k]
             prev = own[k - 1][1] if k - 1 in own else None
             start = max(t for t in (issued, prev, up[k][1] if up else None) if t is not None)
-            out[s][k] = (start, done, None if prev is None else start - prev,
-                         None if prev is None else done - prev)
+            if prev is None:
+                out[s][k] = (start, done, None, None, None)
+            else:
+                idle = _idle(prev, start, *flights) if start > prev else 0
+                out[s][k] = (start, done, start - prev - idle, idle, done - prev)
     return out
 
 
@@ -102,7 +139,8 @@ def _ranges(ids) -> str:
 
 
 def report(items, *, first: int = 1, last: int | None = None) -> str:
-    """Per stage: period, held and wait p50 and p90 in ms, and the wait share, as a table.
+    """Per stage: period, held and wait p50 and p90 in ms, the wait share and the idle share (of
+    the total period), as a table.
 
     Args:
       items: `parse`'s result.
@@ -114,10 +152,10 @@ def report(items, *, first: int = 1, last: int | None = None) -> str:
     """
     spans = _spans(items)
     table = [["stage", "items", "period p50", "p90", "held p50", "p90", "wait p50", "p90",
-              "wait share"]]
+              "wait share", "idle share"]]
     counted = set()
     for s, per in spans.items():
-        ks = [k for k, (_, _, _, period) in per.items()
+        ks = [k for k, (*_, period) in per.items()
               if first <= k and (last is None or k <= last) and period is not None]
         rows = [per[k] for k in ks]
         if not rows:
@@ -125,31 +163,38 @@ def report(items, *, first: int = 1, last: int | None = None) -> str:
                              f"stage {s} (items on every stage: {_ranges(per)}); widen --first/"
                              "--last")
         counted.update(ks)
-        held = [done - start for start, done, _, _ in rows]
-        wait = [w for _, _, w, _ in rows]
-        period = [p for _, _, _, p in rows]
+        held = [done - start for start, done, *_ in rows]
+        wait, idle, period = ([r[i] for r in rows] for i in (2, 3, 4))
         ms = [np.percentile(np.asarray(v, np.float64), q) / 1e3
               for v in (period, held, wait) for q in (50, 90)]
-        share = sum(wait) / sum(period) if sum(period) else math.nan
-        table.append([str(s), str(len(rows)), *(f"{v:.3f}" for v in ms), f"{100 * share:.1f}%"])
+        shares = [sum(v) / sum(period) if sum(period) else math.nan for v in (wait, idle)]
+        table.append([str(s), str(len(rows)), *(f"{v:.3f}" for v in ms),
+                      *(f"{100 * v:.1f}%" for v in shares)])
     widths = [max(len(r[c]) for r in table) for c in range(len(table[0]))]
     lines = ["  ".join(f.rjust(w) for f, w in zip(r, widths)).rstrip() for r in table]
     head = f"{len(spans)} stages, items {_ranges(counted)}, times in ms"
     return "\n".join([head, *lines])
 
 
-def _shown(items, max_items: int):
+def _shown(items, first: int, last: int | None, max_items: int):
+    """Items `first..last` on every stage (at most `max_items` when `last` is None)."""
     spans = _spans(items)
-    ks = list(next(iter(spans.values())))[:max_items]
+    ks = [k for k in next(iter(spans.values())) if first <= k and (last is None or k <= last)]
+    if not ks:
+        raise ValueError(f"no item in {first}..{'' if last is None else last} is on every stage "
+                         f"(items on every stage: {_ranges(next(iter(spans.values())))}); widen "
+                         "--first/--last")
+    ks = ks if last is not None else ks[:max_items]
     return {s: {k: per[k][:2] for k in ks} for s, per in spans.items()}, ks
 
 
-def gantt(items, *, width: int = 120, max_items: int = 20) -> str:
-    """The first `max_items` items on every stage as text: a row per stage of `width` columns,
-    '.' idle and the item number mod 10 from its start to its done."""
+def gantt(items, *, first: int = 0, last: int | None = None, width: int = 120,
+          max_items: int = 20) -> str:
+    """Items `first..last` on every stage (`max_items` from `first` if `last` is None) as text: a
+    row per stage of `width` columns, '.' a gap and the item number mod 10 from start to done."""
     if width < 1:
         raise ValueError(f"gantt width {width}: give at least 1 column")
-    shown, ks = _shown(items, max_items)
+    shown, ks = _shown(items, first, last, max_items)
     t0 = min(start for per in shown.values() for start, _ in per.values())
     t1 = max(done for per in shown.values() for _, done in per.values())
     span = max(t1 - t0, 1)
@@ -166,11 +211,11 @@ def gantt(items, *, width: int = 120, max_items: int = 20) -> str:
     return "\n".join(lines)
 
 
-def png(items, path, *, max_items: int = 20) -> Path:
+def png(items, path, *, first: int = 0, last: int | None = None, max_items: int = 20) -> Path:
     """Draws `gantt`'s chart as a PNG at `path`: a horizontal bar per item on each stage's row."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    shown, ks = _shown(items, max_items)
+    shown, ks = _shown(items, first, last, max_items)
     t0 = min(start for per in shown.values() for start, _ in per.values())
     fig = Figure(figsize=(12, 1.2 + 0.6 * len(shown)))
     FigureCanvasAgg(fig)
@@ -195,8 +240,9 @@ def timeline_main():
     """`python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K] [--width N]`."""
     from absl import flags
     flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
-    flags.DEFINE_integer("first", 1, "the first item counted in the report")
-    flags.DEFINE_integer("last", None, "the last item counted (default: the last on every stage)")
+    flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn")
+    flags.DEFINE_integer("last", None, "the last item counted and drawn (default: the last on "
+                         "every stage; the gantt draws 20 from --first)")
     flags.DEFINE_integer("width", 120, "columns of the text gantt")
     FLAGS = flags.FLAGS
 
@@ -212,9 +258,9 @@ def timeline_main():
         items = parse(lines)
         print(report(items, first=FLAGS.first, last=FLAGS.last))
         print()
-        print(gantt(items, width=FLAGS.width))
+        print(gantt(items, first=FLAGS.first, last=FLAGS.last, width=FLAGS.width))
         if FLAGS.png:
-            print(f"wrote {png(items, FLAGS.png)}")
+            print(f"wrote {png(items, FLAGS.png, first=FLAGS.first, last=FLAGS.last)}")
 
     main.takes_args = True
     return main

@@ -7,7 +7,8 @@ name fallbacks: a tensor a checkpoint omits read from another (a tied output hea
 embedding).
 
 Random weights are written in the same format (`python -m kernjax.weights random`), so every
-random run goes through the real loader. Each tensor draws from its own generator seeded by
+random run goes through the real loader, with a small byte-level `tokenizer.json` so text prompts
+work without a download. Each tensor draws from its own generator seeded by
 `(seed, crc32(name))`: the same name gives the same bytes whatever else the checkpoint holds.
 A named model's random checkpoint is made once into a cache directory (`$KERNJAX_CACHE`, default
 `~/.cache/kernjax`) and read from there after.
@@ -42,8 +43,15 @@ def np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
 
+def _need_dir(ckpt: Path) -> None:
+    if not ckpt.is_dir():
+        raise WeightError(f"checkpoint `{ckpt}` " + ("is a file; pass its directory" if
+                                                     ckpt.exists() else "does not exist"))
+
+
 def read_config(ckpt: str | os.PathLike):
     """`(family module, config)` for a checkpoint directory, from its `config.json`."""
+    _need_dir(Path(ckpt))
     path = Path(ckpt) / "config.json"
     if not path.is_file():
         raise WeightError(f"`{ckpt}` has no config.json; pass a Hugging Face checkpoint directory")
@@ -55,8 +63,23 @@ def read_config(ckpt: str | os.PathLike):
     return fam, fam.config_from_hf(d, name=d.get("_name", Path(ckpt).name))
 
 
+def same_model(ckpt: str | os.PathLike, config: Mapping) -> None:
+    """Refuses a checkpoint whose config.json describes another model than `config` (a model
+    config as a manifest records it); a checkpoint without config.json is left to `load`."""
+    if not (Path(ckpt) / "config.json").is_file():
+        return
+    got = read_config(ckpt)[1].__dict__
+    diff = [f"{k} {got.get(k)} (the stages: {v})" for k, v in config.items()
+            if k not in ("name", "dtype") and got.get(k) != v]
+    if diff:
+        raise WeightError(f"checkpoint `{ckpt}` is another model than the stages were cut for: "
+                          f"{', '.join(diff)}; pass --weights with the checkpoint they were cut "
+                          "from, or re-cut with this one")
+
+
 def _files(ckpt: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""
+    _need_dir(ckpt)
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
         wm = json.loads(index.read_text())["weight_map"]
@@ -118,8 +141,9 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
         for h in handles.values():
             h.__exit__(None, None, None)
     if errs:
+        more = [f"... and {len(errs) - 8} more"] if len(errs) > 8 else []
         raise WeightError("checkpoint does not match the program:\n"
-                          + "\n".join(f"  - {e}" for e in errs))
+                          + "\n".join(f"  - {e}" for e in errs[:8] + more))
     return out
 
 
@@ -154,9 +178,39 @@ def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
             wm.update(dict.fromkeys(sh, fname))
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
+    write_tokenizer(out, cfg.vocab)
     conf = {**fam.hf_config(cfg), "torch_dtype": dtype, "_name": name, "_seed": seed}
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     return out
+
+
+# What a random checkpoint's tokenizer is trained on; changing it changes every such tokenizer.
+TEXT = """Hello, world! The quick brown fox jumps over the lazy dog. A pipeline cuts a model's
+program into stages: each stage runs its own calls, keeps the weights and states they read, and
+hands the values that cross to the next stage. Run in sequence, the stages give the same logits
+and tokens as the whole program, bit for bit. What is the capital of France? Paris is. Once upon a
+time there was a little model that read one prompt at a time, chunk by chunk, and answered with
+its first token. 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > " ' ? ! . , ; : the of and to in
+"""
+
+
+def write_tokenizer(out: Path, vocab: int) -> None:
+    """Writes `tokenizer.json`: a byte-level BPE trained on `TEXT` with at most `vocab` ids (at
+    most 1024), so any text encodes to ids in range; the same bytes every time. Nothing is
+    written for a vocabulary smaller than the 256 bytes."""
+    from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+    from tokenizers import models as tm
+    if vocab < 256:
+        return
+    tok = Tokenizer(tm.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([TEXT], trainers.BpeTrainer(
+        vocab_size=min(vocab, 1024), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tmp = out / f"tokenizer.json.tmp{os.getpid()}"
+    tmp.write_text(tok.to_str(pretty=True))
+    tmp.replace(out / "tokenizer.json")
 
 
 def cache_dir() -> Path:
@@ -175,6 +229,8 @@ def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> 
             tmp.rename(path)
         except OSError:  # another process made it first
             shutil.rmtree(tmp, ignore_errors=True)
+    if not (path / "tokenizer.json").is_file():  # cached before random checkpoints had one
+        write_tokenizer(path, cfg.vocab)
     return path
 
 

@@ -119,7 +119,7 @@ def test_cli_run_whole_and_stages_agree(tmp_path):
     (["kernjax.cut", "--model", "qwen3-tiny", "--at", "3,1", "--out", "X"], "not increasing"),
     (["kernjax.cut", "--model", "nope", "--at", "1", "--out", "X"], "unknown model `nope`"),
     (["kernjax.run", "--model", "qwen3-tiny", "--tokens", "1 2 99999"], "outside the vocabulary"),
-    (["kernjax.run", "--model", "qwen3-tiny", "--prompt", "hi"], "tokenizer.json"),
+    (["kernjax.run", "--model", "qwen3-tiny", "--tokens", ""], "the prompt is empty"),
     (["kernjax.run", "--model", "qwen3-tiny"], "exactly one of --prompt"),
     (["kernjax.chain", "--stages", "nowhere", "--prompts", "nothing"], "nothing"),
 ])

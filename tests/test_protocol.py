@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
+import time
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from kernjax.serve.protocol import (PREFIX, Closed, Conn, ProtocolError, decode, encode,
-                                    parse_address)
+                                    handshakes, parse_address)
 from kernjax.serve.transport import HostTransport
 from kernjax.trace import Slot
 
@@ -53,6 +55,17 @@ def _frame(magic=b"KJ", version=1, kind=4, header=b"{}", payload=b""):
      "malformed array"),
     (_frame(header=json.dumps({"arrays": []}).encode(), payload=b"1234"), "no array claims"),
     (_frame(header=b"{}", payload=b"x" * (2 << 20)), "over the limit"),
+    (_frame(header=b"[]"), r"`\[\]` is not a JSON object"),
+    (_frame(header=b'"hello"'), "is not a JSON object"),
+    (_frame(header=b"[" * 100_000 + b"]" * 100_000), "nested too deeply"),
+    (_frame(header=b'{"arrays": {}}'), "`arrays` is not a list"),
+    (_frame(header=json.dumps({"arrays": [["x", "object", [1]]]}).encode(), payload=b"12345678"),
+     "malformed array"),
+    (_frame(header=json.dumps({"arrays": [["x", "uint8", [-1]]]}).encode()), "malformed array"),
+    (_frame(header=json.dumps({"arrays": [["x", "uint8", [1]], ["x", "uint8", [1]]]}).encode(),
+            payload=b"ab"), "malformed array"),
+    (_frame(header=json.dumps({"arrays": [["x", "uint8", [1 << 40, 1 << 40]]]}).encode()),
+     "overruns the payload"),
 ])
 def test_malformed_frames_are_refused_with_a_message(frame, words):
     with pytest.raises(ProtocolError, match=words):
@@ -91,7 +104,7 @@ def test_the_transport_refuses_what_the_signature_does_not_say():
         rx.recv(2)
 
 
-@pytest.mark.parametrize("text", ["7000", "host:", ":7000", "h:99999", "h:x"])
+@pytest.mark.parametrize("text", ["7000", "host:", ":7000", "h:99999", "h:0", "h:x"])
 def test_bad_addresses_say_how_to_write_one(text):
     with pytest.raises(ValueError, match="HOST:PORT"):
         parse_address(text)
@@ -99,3 +112,95 @@ def test_bad_addresses_say_how_to_write_one(text):
 
 def test_prefix_is_sixteen_bytes():
     assert PREFIX.size == 16 and struct.calcsize("<2sBBIQ") == 16
+
+
+def test_a_deadline_holds_while_bytes_trickle():
+    a, b = _pair()
+    frame = encode("HELLO", {"stage": 1})
+
+    def trickle():
+        for byte in frame:
+            try:
+                a.send(bytes([byte]))
+            except OSError:
+                return
+            time.sleep(0.1)
+
+    threading.Thread(target=trickle, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(ProtocolError, match="peer sent no complete frame in time"):
+        Conn(b, name="peer").recv(timeout=0.6)
+    assert time.time() - t0 < 1.5
+    a.close()
+
+
+def _handshakes(server, *, wait=5.0, deadline=5.0):
+    """Runs `handshakes` on `server` taking one HELLO {"ok": true}; (kept, refusal lines, result)."""
+    got, lines = [], []
+
+    def take(conn, kind, header):
+        if kind != "HELLO" or header.get("ok") is not True:
+            return f"not ok: {kind} {header}"
+        got.append(conn)
+        return None
+
+    done = handshakes(server, take, done=lambda: bool(got), deadline=time.time() + deadline,
+                      log=lines.append, wait=wait)
+    return got, lines, done
+
+
+def test_silent_and_malformed_peers_delay_no_handshake():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        silent = [socket.create_connection(addr) for _ in range(5)]
+        bad = [socket.create_connection(addr) for _ in range(3)]
+        bad[0].sendall(_frame(kind=1, header=b"[]"))
+        bad[1].sendall(_frame(kind=1, header=b"[" * 50_000))
+        bad[2].sendall(encode("HELLO", {"ok": False}))
+        time.sleep(0.3)  # the bad ones are read and refused before the good one comes
+        good = socket.create_connection(addr)
+        good.sendall(encode("HELLO", {"ok": True}))
+        t0 = time.time()
+        got, lines, done = _handshakes(server)
+        assert done and time.time() - t0 < 2, lines
+        kind, header, _ = Conn(bad[2], name="bad").recv()
+        assert kind == "ERROR" and header["message"].startswith("not ok: HELLO")
+        for sock in silent + bad + [good]:
+            sock.close()
+    text = "\n".join(lines)
+    assert "is not a JSON object" in text and "not ok: HELLO" in text, text
+    assert len(lines) >= 2, lines
+
+
+def test_the_deadline_holds_against_silent_and_trickling_peers():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        silent = socket.create_connection(addr)
+        slow = socket.create_connection(addr)
+        stop = threading.Event()
+
+        def trickle():
+            for byte in encode("HELLO", {"ok": True}):
+                if stop.wait(0.2):
+                    return
+                slow.send(bytes([byte]))
+
+        threading.Thread(target=trickle, daemon=True).start()
+        t0 = time.time()
+        got, lines, done = _handshakes(server, wait=10.0, deadline=1.0)
+        assert not done and not got and time.time() - t0 < 1.6
+        stop.set()
+        silent.close()
+        slow.close()
+
+
+def test_a_handshake_slower_than_its_wait_is_refused():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        addr = server.getsockname()
+        silent = socket.create_connection(addr)
+        late = threading.Timer(1.0, lambda: socket.create_connection(addr).sendall(
+            encode("HELLO", {"ok": True})))
+        late.start()
+        got, lines, done = _handshakes(server, wait=0.5, deadline=5.0)
+        assert done and any("no complete frame in time" in ln for ln in lines), lines
+        silent.close()

@@ -72,14 +72,12 @@ class Pipeline:
                            for s in range(1, stages)]
         self.pp = pp
         deadline = time.time() + 120
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1):
-                    return
-            except OSError:
-                if any(p.p.poll() is not None for p in self.procs):
-                    break
-                time.sleep(0.3)
+        while time.time() < deadline:  # the head binds HTTP first, and says "serving" once joined
+            if "serving" in self.procs[0].text():
+                return
+            if any(p.p.poll() is not None for p in self.procs):
+                break
+            time.sleep(0.3)
         self.stop()
         raise AssertionError("the pipeline did not start:\n" + self.logs())
 
@@ -189,8 +187,7 @@ def test_100_concurrent_requests_all_answered_and_pages_return(servers):
     (b'{"prompt": [1, 2], "max_tokens": 16}', 400, "prefill only"),
     (b'{"prompt": [], "max_tokens": 1}', 400, "empty"),
     (b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
-    (b'{"prompt": "hello"}', 400, "no tokenizer"),
-    (b'{"prompt": [[1], [2]]}', 400, "one prompt per request"),
+    (b'{"prompt": [[1], 2]}', 400, "prompt must be"),
     (b'{"model": "gpt-9", "prompt": [1]}', 404, "does not exist"),
     (json.dumps({"prompt": [1] * (CONTEXT + 1)}).encode(), 400, "512"),
 ])

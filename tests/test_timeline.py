@@ -39,16 +39,16 @@ def _table(text: str) -> dict[str, list[str]]:
 
 def test_two_stages_the_faster_downstream_waits():
     t = _table(report(parse(_log([10, 5], 20))))
-    # items, period p50 p90, held p50 p90, wait p50 p90, wait share
-    assert t["0"] == ["19", "10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%"]
-    assert t["1"] == ["19", "10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%"]
+    # items, period p50 p90, held p50 p90, wait p50 p90, wait share, idle share
+    assert t["0"] == ["19", "10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%", "0.0%"]
+    assert t["1"] == ["19", "10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%", "0.0%"]
 
 
 def test_three_stages():
     t = _table(report(parse(_log([10, 5, 8], 12))))
-    assert t["0"][1:] == ["10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%"]
-    assert t["1"][1:] == ["10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%"]
-    assert t["2"][1:] == ["10.000", "10.000", "8.000", "8.000", "2.000", "2.000", "20.0%"]
+    assert t["0"][1:-1] == ["10.000", "10.000", "10.000", "10.000", "0.000", "0.000", "0.0%"]
+    assert t["1"][1:-1] == ["10.000", "10.000", "5.000", "5.000", "5.000", "5.000", "50.0%"]
+    assert t["2"][1:-1] == ["10.000", "10.000", "8.000", "8.000", "2.000", "2.000", "20.0%"]
 
 
 def test_first_and_last_choose_the_items():
@@ -57,12 +57,48 @@ def test_first_and_last_choose_the_items():
 
 
 def test_percentiles_over_varying_periods():
-    # One stage, item k issued at T0 + k² ms and taking 1 ms: periods 1, 3, 5, ... 19 ms (wait =
-    # period - 1): p50 10, p90 17.2 by linear interpolation.
+    # One stage, item k issued at T0 + k² ms and taking 1 ms: periods 1, 3, 5, ... 19 ms (p50 10,
+    # p90 17.2 by linear interpolation). Between items nothing is in flight: the gaps (period - 1)
+    # are idle, not pipeline wait.
     lines = [f"pp item stage=0 item={k} rows=1 issued_us={T0 + k * k * 1000} "
              f"done_us={T0 + k * k * 1000 + 1000}" for k in range(11)]
     t = _table(report(parse(lines)))
-    assert t["0"] == ["10", "10.000", "17.200", "1.000", "1.000", "9.000", "16.200", "90.0%"]
+    assert t["0"] == ["10", "10.000", "17.200", "1.000", "1.000", "0.000", "0.000", "0.0%", "90.0%"]
+
+
+def _bursts(ms_per_stage: list[float], bursts: int, size: int, gap_ms: float) -> list[str]:
+    """`bursts` bursts of `size` items, every item of a burst issued at once, `gap_ms` after the
+    previous burst has left the pipeline."""
+    lines, t = [], T0
+    for b in range(bursts):
+        done = [[0] * size for _ in ms_per_stage]
+        for j in range(size):
+            for s, ms in enumerate(ms_per_stage):
+                start = max(t, done[s][j - 1] if j else t, done[s - 1][j] if s else t)
+                done[s][j] = start + int(ms * 1000)
+                lines.append(f"2026-11-30T09:29:07.002Z pp item stage={s} item={b * size + j} "
+                             f"rows=8 issued_us={t} done_us={done[s][j]}")
+        t = done[-1][-1] + int(gap_ms * 1000)
+    return lines
+
+
+def test_idle_time_is_not_pipeline_wait():
+    # Stages of 10 and 5 ms; bursts of 4 items, each issued 100 ms after the last left stage 1.
+    # In a burst stage 1 waits 5 ms per item for stage 0 (pipeline wait). Between bursts nothing
+    # is in flight for 100 ms (idle): stage 0's gap of 105 ms is 5 ms wait (stage 1 finishing)
+    # and 100 ms idle, stage 1's of 110 ms is 100 ms idle and 10 ms wait (stage 0's first item).
+    # Items 1..19: 4 first-of-burst items (period 115 ms) and 15 others (10 ms): 610 ms.
+    t = _table(report(parse(_bursts([10, 5], 5, 4, 100))))
+    assert t["0"] == ["19", "10.000", "115.000", "10.000", "10.000", "0.000", "5.000",
+                      f"{100 * 4 * 5 / 610:.1f}%", f"{100 * 4 * 100 / 610:.1f}%"]
+    assert t["1"] == ["19", "10.000", "115.000", "5.000", "5.000", "5.000", "10.000",
+                      f"{100 * (15 * 5 + 4 * 10) / 610:.1f}%", f"{100 * 4 * 100 / 610:.1f}%"]
+
+
+def test_timestamped_lines_parse_like_bare_ones():
+    bare = _log([10, 5], 6)
+    stamped = [f"2026-11-30T09:29:07.002Z {ln.split('] ', 1)[1]}" for ln in bare]
+    assert parse(stamped) == parse(bare)
 
 
 def test_other_lines_are_ignored():
@@ -75,6 +111,14 @@ def test_gantt_has_a_row_per_stage_of_width_columns():
     assert len(rows) == 3 and all(len(r) == 50 for r in rows)
     assert set("".join(rows)) == set(".0123456789")
     assert rows[0].startswith("0") and rows[2].startswith(".")
+
+
+def test_gantt_draws_first_to_last():
+    items = parse(_log([10, 5], 30))
+    assert gantt(items, first=5, last=12, width=40).splitlines()[0].startswith("items 5..12 ")
+    assert gantt(items, first=3, width=40).splitlines()[0].startswith("items 3..22 ")
+    with pytest.raises(ValueError, match="no item in 40..50"):
+        gantt(items, first=40, last=50)
 
 
 def test_png_is_written(tmp_path):
@@ -107,7 +151,9 @@ def test_command_line(tmp_path):
            "--png", str(tmp_path / "t.png")]
     ok = subprocess.run(cmd, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
-    assert _table(ok.stdout.split("\n\n")[0])["1"][-1] == "50.0%"
+    assert _table(ok.stdout.split("\n\n")[0])["1"][-2] == "50.0%"
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+    some = subprocess.run(cmd[:5] + ["--first", "2", "--last", "4"], capture_output=True, text=True)
+    assert "items 2..4, times in ms" in some.stdout and "items 2..4 over" in some.stdout
     bad = subprocess.run(cmd[:3] + [str(tmp_path / "none.log")], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr

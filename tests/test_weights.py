@@ -75,6 +75,28 @@ def test_tensor_bytes_do_not_depend_on_other_tensors(f32, tmp_path, monkeypatch)
         assert x.tobytes() == full[name].tobytes(), name
 
 
+def test_random_checkpoint_has_a_tokenizer_that_fits_the_vocabulary(f32, bf16, tmp_path):
+    from tokenizers import Tokenizer
+    assert (f32 / "tokenizer.json").read_bytes() == (bf16 / "tokenizer.json").read_bytes()
+    tok = Tokenizer.from_file(str(f32 / "tokenizer.json"))
+    assert 256 < tok.get_vocab_size() <= CFG.vocab
+    text = "Hello, wörld! 日本語 \t\n ∑ 0x1F"
+    ids = tok.encode(text, add_special_tokens=False).ids
+    assert ids and max(ids) < CFG.vocab and tok.decode(ids) == text
+    assert len(tok.encode("Hello").ids) == 1  # trained merges, not bytes only
+    weights.write_tokenizer(tmp_path, 200)  # no byte-level tokenizer fits 200 ids
+    assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_cached_checkpoint_gains_its_tokenizer(f32, tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNJAX_CACHE", str(tmp_path))
+    path = weights.random_checkpoint(MODEL, dtype="float32")
+    assert (path / "tokenizer.json").read_bytes() == (f32 / "tokenizer.json").read_bytes()
+    (path / "tokenizer.json").unlink()  # as cached before random checkpoints had one
+    assert weights.random_checkpoint(MODEL, dtype="float32") == path
+    assert (path / "tokenizer.json").read_bytes() == (f32 / "tokenizer.json").read_bytes()
+
+
 def test_random_values_look_like_hf_init(f32):
     t = _tensors(f32)
     assert sorted(t) == sorted(SHAPES)
@@ -196,6 +218,10 @@ def test_read_config(f32, bf16):
 def test_read_config_without_config_json_is_a_clear_error(tmp_path):
     with pytest.raises(WeightError, match="has no config.json.*Hugging Face checkpoint directory"):
         weights.read_config(tmp_path)
+    with pytest.raises(WeightError, match="checkpoint `.*nowhere` does not exist"):
+        weights.read_config(tmp_path / "nowhere")
+    with pytest.raises(WeightError, match="checkpoint `.*nowhere` does not exist"):
+        weights.load(tmp_path / "nowhere", [(Q0, SHAPES[Q0], "float32")])
 
 
 # --- the shell ------------------------------------------------------------------------------
@@ -213,6 +239,7 @@ def test_shell_writes_a_random_checkpoint(tmp_path, bf16):
     assert r.returncode == 0, r.stderr
     assert "wrote random qwen3-tiny" in r.stdout
     assert _sha(out / "model.safetensors") == _sha(bf16 / "model.safetensors")
+    assert _sha(out / "tokenizer.json") == _sha(bf16 / "tokenizer.json")  # another process
     assert weights.read_config(out)[1].dtype == "bfloat16"
 
 

@@ -4,21 +4,147 @@
     python -m kernjax.serve --stage_dir stages/stage1 --pp_head 127.0.0.1:7000
     python -m kernjax.serve --stage_dir stages/whole --port 8000      # or --model / --weights
 
-Stage 0 is the head (HTTP, scheduler, page pool); other stages join it. Flags can come from a
-file with absl's --flagfile.
+Stage 0 is the head (HTTP, scheduler, page pool); other stages join it. The head binds its HTTP
+port once it has loaded its stage, before compiling it (a taken port is an error at once), answers /health with a 503
+"waiting for stages ..." while the others join, and says "serving" once they have. Every log line
+starts with its UTC time; --log_dir DIR also writes it to DIR/stage<k>.log (--log_file FILE: to
+FILE, rewritten at each start), and the console then shows all but the `pp item` lines. Flags can
+come from a file with absl's --flagfile.
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
+import math
+import os
+import socket
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
-from absl import flags
+from absl import flags, logging
 
 from kernjax import cli
 
 FLAGS = flags.FLAGS
+
+
+class _Stamped:
+    """Whole lines, each behind its UTC time, to the console and the log file (if any); with a
+    file, the console skips the `pp item` lines. Lines of several threads never mix."""
+
+    def __init__(self, console, file=None):
+        self.console, self.file = console, file
+        self.lock, self.parts = threading.Lock(), {}
+
+    def write(self, text: str) -> int:
+        with self.lock:
+            me = threading.get_ident()
+            *lines, rest = (self.parts.pop(me, "") + text).split("\n")
+            if rest:
+                self.parts[me] = rest
+            for line in lines:
+                t = time.time()
+                stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t))
+                line = f"{stamp}.{int(t % 1 * 1e3):03d}Z {line}\n"
+                if self.file:
+                    self.file.write(line)
+                    self.file.flush()
+                if not (self.file and line[25:].startswith("pp item ")):
+                    try:
+                        self.console.write(line)
+                        self.console.flush()
+                    except (OSError, ValueError):
+                        pass  # the console has gone; the file keeps the log
+        return len(text)
+
+    def flush(self) -> None:
+        pass  # every whole line is flushed as it is written
+
+    def __getattr__(self, name):
+        return getattr(self.console, name)
+
+
+def _log_to() -> None:
+    """Stamps every line of stderr; --log_dir/--log_file also write them to a file."""
+    path = Path(FLAGS.log_file) if FLAGS.log_file else None
+    if FLAGS.log_dir:
+        k = 0
+        try:  # the stage number names the file; open_stage says what is wrong with a bad manifest
+            m = json.loads((Path(FLAGS.stage_dir) / "manifest.json").read_text())
+            k = int(m["cut"]["stage"])
+        except (TypeError, OSError, ValueError, KeyError):
+            pass
+        path = Path(FLAGS.log_dir) / f"stage{k}.log"
+    file = None
+    if path:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            file = path.open("w", encoding="utf-8")
+        except OSError as e:
+            raise OSError(f"cannot write the log `{path}`: {e.strerror or e}") from None
+    sys.stderr = _Stamped(sys.stderr, file)
+    logging.get_absl_handler().python_handler.setStream(sys.stderr)  # absl's lines too
+    if path:
+        print(f"logging to {path}", file=sys.stderr)
+
+
+def _check_flags() -> None:
+    """Careless flags, refused before anything loads."""
+    from kernjax.serve.protocol import PING_MIN, parse_address
+    f = FLAGS
+    if f.max_seqs < 1:
+        raise ValueError(f"--max_seqs {f.max_seqs}: the head must admit at least 1 prompt at once")
+    if not 0 < f.port < 65536:
+        raise ValueError(f"--port {f.port} is not a TCP port; give one in 1..65535")
+    if not (math.isfinite(f.stage_timeout) and f.stage_timeout >= 4 * PING_MIN):
+        raise ValueError(f"--stage_timeout {f.stage_timeout:g}: give at least {4 * PING_MIN:g} s: "
+                         "the head pings every stage every quarter of the timeout, but not more "
+                         f"often than every {PING_MIN:g} s (the ping period), so a shorter timeout "
+                         "fails a healthy stage")
+    if not f.startup_timeout > 0:
+        raise ValueError(f"--startup_timeout {f.startup_timeout:g}: give the seconds the stages "
+                         "have to join, more than 0")
+    if f.max_frame < 4096:
+        raise ValueError(f"--max_frame {f.max_frame}: give at least 4096 bytes (a Hello alone is "
+                         "about 1 KiB)")
+    for name in ("chunk", "seqs", "context"):
+        if f[name].value < 1:
+            raise ValueError(f"--{name} {f[name].value}: give at least 1")
+    for name in ("pp_listen", "pp_head"):
+        if f[name].value:
+            try:
+                parse_address(f[name].value)
+            except ValueError as e:
+                raise ValueError(f"--{name}: {e}") from None
+    if f.pp_listen and f.pp_head:
+        raise ValueError("give --pp_listen (the head) or --pp_head (a stage past 0), not both")
+    if f.log_dir and f.log_file:
+        raise ValueError("give --log_dir or --log_file, not both")
+
+
+def _bind_http(host: str, port: int) -> socket.socket:
+    try:
+        return socket.create_server((host, port))
+    except OSError as e:
+        why = os.strerror(e.errno) if e.errno else e
+        raise OSError(f"cannot serve HTTP on {host}:{port}: {why}; another process "
+                      "holds the port? give another --port") from None
+
+
+def _start_http(app, sock: socket.socket) -> None:
+    """Serves `app` on the bound `sock` from an event loop on a thread of its own, so the main
+    thread can wait for the stages (and take Ctrl-C)."""
+    from aiohttp import web
+    loop = asyncio.new_event_loop()
+    # The HTTP server's own options (timeouts, connection limits) go to AppRunner and SockSite.
+    runner = web.AppRunner(app, handle_signals=False)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.SockSite(runner, sock).start())
+    threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
 
 def serve_main():
@@ -30,18 +156,31 @@ def serve_main():
     flags.DEFINE_integer("port", 8000, "HTTP port (head)")
     flags.DEFINE_integer("max_seqs", 256, "prompts admitted at once (head)")
     flags.DEFINE_float("stage_timeout", 60.0, "seconds a stage may stay silent before the head "
-                       "gives up on it")
-    flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join")
+                       "gives up on it (the head pings every quarter of it; at least 1)")
+    flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join (head), "
+                       "or for the head to be up (a stage)")
     flags.DEFINE_string("served_model_name", None, "model name in the API (default: the model's)")
     flags.DEFINE_integer("chunk", 512, "rows per item, for --model/--weights")
     flags.DEFINE_integer("seqs", 4, "sequences per item, for --model/--weights")
     flags.DEFINE_integer("context", 4096, "longest prompt, for --model/--weights")
     flags.DEFINE_integer("max_frame", 256 << 20, "largest frame (bytes) a process accepts from a "
                          "peer; raise it for items whose activations are larger")
+    # absl.logging defines a --log_dir it never uses unless asked to; this one takes its place.
+    flags.DEFINE_string("log_dir", None, "also write this process's log to DIR/stage<k>.log",
+                        allow_override=True)
+    flags.DEFINE_string("log_file", None, "also write this process's log to FILE")
+    flags.DEFINE_string("api_key", None, "require `Authorization: Bearer KEY` on every path but "
+                        "/health and /metrics (head)")
+    flags.DEFINE_integer("max_connections", None, "requests in progress before more get a 503 "
+                         "(default: the open-file limit less 256, at most 4096)")
+    flags.DEFINE_float("body_timeout", 30.0, "seconds a request body may take to arrive (else "
+                       "408); idle connections close after it")
+    flags.DEFINE_integer("max_prompts", 64, "prompts in one batch request; with the context it "
+                         "bounds the body size (413 past it)")
 
     def main():
-        from aiohttp import web
-
+        _check_flags()
+        _log_to()
         from kernjax.runner import Runner, checkpoint_dir, load_weights, open_stage
         from kernjax.serve.head import Head
         from kernjax.serve.http import Metrics, make_app
@@ -69,6 +208,7 @@ def serve_main():
                         startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame)
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
+        http = _bind_http(FLAGS.host, FLAGS.port)  # before compiling: a taken port fails at once
         runner.warm()
         metrics = Metrics()
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
@@ -76,11 +216,17 @@ def serve_main():
                     max_frame=FLAGS.max_frame, metrics=metrics)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
-                       tokenizer=cli.tokenizer(ckpt), metrics=metrics)
+                       tokenizer=cli.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
+                       api_key=FLAGS.api_key, max_connections=FLAGS.max_connections,
+                       body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts)
+        url = f"http://{FLAGS.host}:{FLAGS.port}"
+        _start_http(app, http)
+        if art.stages > 1:
+            print(f"head: {url}/health answers 503 until every stage has joined", file=sys.stderr)
+        head.join()
         what = "the whole program" if art.stages == 1 else f"{art.stages} stages"
-        print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on "
-              f"http://{FLAGS.host}:{FLAGS.port}", file=sys.stderr, flush=True)
-        web.run_app(app, host=FLAGS.host, port=FLAGS.port, print=None, handle_signals=True)
+        print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on {url}", file=sys.stderr)
+        threading.Event().wait()  # HTTP and the pipeline run on their threads; Ctrl-C ends here
 
     return main
 

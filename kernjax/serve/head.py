@@ -2,9 +2,11 @@
 
 Startup (kern-serve PP3): the head loads stage 0 and listens on `--pp_listen`; every other stage
 connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills}. The head
-refuses a Hello with another cut id, a stage number out of range or taken twice, or a signature
-that does not chain; once all stages are in it sizes its pool to the fewest pages any stage holds,
-answers each with a Table {pages, next} and connects to stage 1.
+reads every connection's Hello in a thread of its own (`protocol.handshakes`) and refuses, with one
+log line, a Hello with another cut id, a stage number out of range or taken twice, or a signature
+that does not chain, and anything that is not a Hello in time; once all stages are in (`join`,
+while `waiting()` says which are missing and requests get a 503) it sizes its pool to the fewest
+pages any stage holds, answers each with a Table {pages, next} and connects to stage 1.
 
 Serving: `submit` admits a prompt or refuses it at once with the limit it breaks (kern's head
 wedged on a prompt past its context bound). The scheduler thread leases pages FIFO under
@@ -37,8 +39,8 @@ from kernjax.item import Piece, make_item
 from kernjax.pool import Pool
 from kernjax.runner import Runner
 from kernjax.serve.pack import Waiting, admissible, full, pack
-from kernjax.serve.protocol import (MAX_FRAME, Closed, Conn, ProtocolError, connect,
-                                    parse_address)
+from kernjax.serve.protocol import (MAX_FRAME, PING_MIN, Closed, Conn, ProtocolError, connect,
+                                    handshakes, parse_address)
 from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
@@ -58,6 +60,20 @@ class _Request:
     arrived: float
     lease: object = None
     pos: int = 0
+    gone: object = None   # () -> True once the client has gone (its connection closed)
+
+    def abandoned(self) -> bool:
+        try:
+            return bool(self.gone and self.gone())
+        except Exception:  # noqa: BLE001 (a broken check never stops the scheduler)
+            return False
+
+    def settle(self, result=None, error: Exception | None = None) -> None:
+        """Answers the request; a future its caller cancelled has no one to answer."""
+        try:
+            self.future.set_exception(error) if error else self.future.set_result(result)
+        except cf.InvalidStateError:
+            pass
 
 
 class Head:
@@ -77,64 +93,81 @@ class Head:
         self.live: list[_Request] = []        # leased, rows still to issue
         self.inflight: deque[tuple[int, list]] = deque()  # (item, [(request, finishes)])
         self.failed: str | None = None
+        self.joining: str | None = None       # while stages join: which are missing
         self.item = 0
         self.conns: dict[int, Conn] = {}
         self.fills: dict[int, list[str]] = {}
         self.seen: dict[int, float] = {}
-        pages = self.shape.pages
-        if self.stages > 1:
-            if not listen:
-                raise ValueError(f"`{self.art.path}` is stage 0 of {self.stages}; give --pp_listen")
-            pages = self._gather(listen, startup_timeout, pages)
-        self.pool = Pool(pages, self.shape.page, self.shape.width)
+        self.listen, self.startup_timeout = listen, startup_timeout
+        self.pool = Pool(self.shape.pages, self.shape.page, self.shape.width)
         # pack()'s bound on Σ(pos + n): the keys one item's attention can read, every page-table
         # row full. Each sequence's own bound (one row) is the pool's `fits`.
         self._context = self.shape.seqs * self.shape.context
-        threading.Thread(target=self._schedule, name="scheduler", daemon=True).start()
         if self.stages > 1:
+            if not listen:
+                raise ValueError(f"`{self.art.path}` is stage 0 of {self.stages}; give --pp_listen")
+            host, port = parse_address(listen)
+            try:
+                self._server = socket.create_server((host, port))
+            except OSError as e:
+                raise OSError(f"cannot listen for the stages on {listen} (--pp_listen): "
+                              f"{os.strerror(e.errno) if e.errno else e}") from None
+            # Until every stage is in, `failed` holds why requests get a 503 (see `join`).
+            self.failed = self.joining = self._missing(range(1, self.stages))
+
+    def _missing(self, stages) -> str:
+        s = sorted(stages)
+        return f"waiting for stage{'s' if len(s) > 1 else ''} " + \
+            (f"{s[0]}..{s[-1]}" if len(s) > 1 and s[-1] - s[0] == len(s) - 1 else
+             ", ".join(map(str, s))) + " to join"
+
+    def waiting(self) -> str | None:
+        """While the other stages join: which are missing; None once all are in."""
+        return self.joining
+
+    def join(self) -> None:
+        """Waits for the other stages (RuntimeError after `startup_timeout`), then serves."""
+        if self.stages > 1:
+            pages = self._gather(self.startup_timeout)
+            with self.cond:
+                self.pool = Pool(pages, self.shape.page, self.shape.width)
+                self.failed = self.joining = None
+            for s, conn in self.conns.items():
+                threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}",
+                                 daemon=True).start()
             threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+        threading.Thread(target=self._schedule, name="scheduler", daemon=True).start()
 
     # --- startup ----------------------------------------------------------------------------
 
-    def _gather(self, listen: str, timeout: float, pages: int) -> int:
-        host, port = parse_address(listen)
-        server = socket.create_server((host, port))
-        server.settimeout(1.0)
+    def _gather(self, timeout: float) -> int:
         hellos: dict[int, tuple[Conn, dict, str]] = {}
-        deadline = time.time() + timeout
-        print(f"head: cut `{self.art.cut_id}`, waiting for stages 1..{self.stages - 1} on {listen}",
-              file=sys.stderr, flush=True)
-        while len(hellos) < self.stages - 1:
-            if time.time() > deadline:
-                missing = sorted(set(range(1, self.stages)) - set(hellos))
-                raise RuntimeError(f"stages {missing} did not join within {timeout:.0f} s")
-            try:
-                sock, peer = server.accept()
-            except TimeoutError:
-                continue
-            conn = Conn(sock, name=f"connection from {peer[0]}:{peer[1]}", limit=self.max_frame)
-            sock.settimeout(10.0)
-            try:
-                hello, _ = conn.expect("HELLO")
-                why = self._refuse(hello, hellos)
-            except (ProtocolError, Closed, OSError) as e:
-                print(f"head: refused {conn.name}: {e}", file=sys.stderr, flush=True)
-                conn.close()
-                continue
+        say = lambda msg: print(f"head: {msg}", file=sys.stderr, flush=True)  # noqa: E731
+
+        def take(conn: Conn, kind: str, hello: dict) -> str | None:
+            if kind != "HELLO":
+                return f"sent {kind} where a Hello was due"
+            why = self._refuse(hello, hellos)
             if why:
-                print(f"head: refused {conn.name}: {why}", file=sys.stderr, flush=True)
-                try:
-                    conn.send("ERROR", {"message": why})
-                except Closed:
-                    pass
-                conn.close()
-                continue
-            sock.settimeout(None)
-            conn.name = f"stage {hello['stage']}"
-            hellos[hello["stage"]] = (conn, hello, peer[0])
-            print(f"head: stage {hello['stage']} joined from {peer[0]}", file=sys.stderr, flush=True)
-        server.close()
-        pages = min([pages] + [h["pages"] for _, h, _ in hellos.values()])
+                return why
+            s, ip = hello["stage"], conn.sock.getpeername()[0]
+            conn.name = f"stage {s}"
+            hellos[s] = (conn, hello, ip)
+            missing = set(range(1, self.stages)) - set(hellos)
+            with self.cond:
+                self.failed = self.joining = self._missing(missing) if missing else self.joining
+            say(f"stage {s} joined from {ip}")
+            return None
+
+        say(f"cut `{self.art.cut_id}`, waiting for stages 1..{self.stages - 1} on {self.listen}")
+        done = handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
+                          deadline=time.time() + timeout, log=say, limit=self.max_frame)
+        self._server.close()
+        if not done:
+            missing = sorted(set(range(1, self.stages)) - set(hellos))
+            raise RuntimeError(f"stages {missing} did not join within {timeout:g} s "
+                               f"(--startup_timeout); start them with --pp_head {self.listen}")
+        pages = min([self.shape.pages] + [h["pages"] for _, h, _ in hellos.values()])
         for s, (conn, hello, ip) in sorted(hellos.items()):
             nxt = hellos.get(s + 1)
             table = {"pages": pages, "next": None}
@@ -145,11 +178,10 @@ class Head:
             self.conns[s] = conn
             self.fills[s] = hello["fills"]
             self.seen[s] = time.time()
-        one = hellos[1][1]
-        self.next = HostTransport(connect(f"{hellos[1][2]}:{one['listen']}", "stage 1", 60,
-                                          limit=self.max_frame), self.art.departures)
-        for s, conn in self.conns.items():
-            threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}", daemon=True).start()
+        conn = connect(f"{hellos[1][2]}:{hellos[1][1]['listen']}", "stage 1", 60,
+                       limit=self.max_frame)
+        conn.send("HELLO", {"stage": 0, "stages": self.stages, "cut": self.art.cut_id})
+        self.next = HostTransport(conn, self.art.departures)
         return pages
 
     def _refuse(self, hello: dict, hellos: dict) -> str | None:
@@ -161,6 +193,12 @@ class Head:
             return f"stage {s} is not one of 1..{self.stages - 1}"
         if s in hellos:
             return f"stage {s} has joined already"
+        pages, listen, fills = hello.get("pages"), hello.get("listen"), hello.get("fills")
+        if not (type(pages) is int and pages > 0 and type(listen) is int and 0 < listen < 65536
+                and isinstance(hello.get("arrivals"), list) and isinstance(fills, list)
+                and all(isinstance(f, str) for f in fills)
+                and set(fills) <= set(make_item([], self.shape))):
+            return f"stage {s} sent a malformed Hello (pages, listen, arrivals or fills)"
         want = [[x.name, x.dtype, list(x.shape)] for x in self.art.departures] if s == 1 else None
         if want is not None and hello.get("arrivals") != want:
             return f"stage 1 takes arrivals {hello.get('arrivals')}; stage 0 sends {want}"
@@ -168,21 +206,28 @@ class Head:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def submit(self, tokens) -> cf.Future:
-        """Queues a prompt; the future gives its first token or raises `Refused`."""
-        fut: cf.Future = cf.Future()
-        n = len(tokens)
-        why = self.pool.fits(n) or admissible(n, rows=self.shape.rows, seqs=self.shape.seqs,
-                                              context=self._context)
+    def submit(self, tokens, gone=None) -> cf.Future:
+        """Queues a prompt; the future gives `(first token, seconds)` or raises `Refused`."""
+        return self.submit_all([tokens], gone)[0]
+
+    def submit_all(self, prompts, gone=None) -> list[cf.Future]:
+        """Queues prompts, each its own sequence, or refuses them all at once. While `gone()`
+        says the client has gone, a prompt not yet packed is dropped: `Refused(499)`."""
+        futs = [cf.Future() for _ in prompts]
+        sh = self.shape
+        why = next((f"prompt {i}: {w}" if len(prompts) > 1 else w for i, p in enumerate(prompts)
+                    if (w := self.pool.fits(len(p)) or admissible(
+                        len(p), rows=sh.rows, seqs=sh.seqs, context=self._context))), None)
         with self.cond:
-            if self.failed:
-                fut.set_exception(Refused(503, self.failed))
-            elif why:
-                fut.set_exception(Refused(400, why))
-            else:
-                self.queue.append(_Request(np.asarray(tokens, np.int32), fut, time.time()))
-                self.cond.notify_all()
-        return fut
+            error = Refused(503, self.failed) if self.failed else Refused(400, why) if why else None
+            for fut, p in zip(futs, prompts):
+                if error:
+                    fut.set_exception(error)
+                else:
+                    self.queue.append(_Request(np.asarray(p, np.int32), fut, time.time(),
+                                              gone=gone))
+            self.cond.notify_all()
+        return futs
 
     # --- the scheduler ----------------------------------------------------------------------
 
@@ -201,7 +246,15 @@ class Head:
             self.fail(f"the head's scheduler failed: {type(e).__name__}: {e}")
 
     def _admit_and_plan(self) -> bool:
+        gone = Refused(499, "the client closed the connection before its prompt was packed")
+        for r in [r for r in self.live if r.pos == 0 and r.abandoned()]:
+            self.live.remove(r)
+            self.pool.release(r.lease)
+            r.settle(error=gone)
         while self.queue and len(self.live) + self._awaiting() < self.max_seqs:
+            if self.queue[0].abandoned():
+                self.queue.popleft().settle(error=gone)
+                continue
             lease = self.pool.lease(len(self.queue[0].tokens))
             if lease is None:
                 break
@@ -255,6 +308,8 @@ class Head:
     def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:
         now = time.time()
         with self.cond:
+            if self.failed:  # `fail` answers every request still in flight
+                return
             if not self.inflight or self.inflight[0][0] != k:
                 raise ProtocolError(f"tokens for item {k} arrived; item "
                                     f"{self.inflight[0][0] if self.inflight else None} was due")
@@ -262,7 +317,7 @@ class Head:
             for i, (r, finished) in enumerate(ends):
                 if finished:
                     self.pool.release(r.lease)
-                    r.future.set_result((int(tokens[i]), now - r.arrived))
+                    r.settle((int(tokens[i]), now - r.arrived))
             if self.metrics:
                 self.metrics.item(rows, busy_us)
                 self.metrics.pages.set(self.pool.in_use)
@@ -281,14 +336,17 @@ class Head:
                     raise ProtocolError(f"stage {s} failed: {header.get('message')}")
                 if kind != "TOKENS" or s != self.stages - 1:
                     raise ProtocolError(f"stage {s} sent {kind}, which a stage never sends the head")
-                self._answer(header["item"], arrays["next_token"], header.get("busy_us", []),
-                             header.get("rows", 0))
-        except (Closed, ProtocolError, OSError) as e:
-            # Closed and ProtocolError name the stage already ("stage 1 closed the connection").
-            self.fail(str(e) if isinstance(e, (Closed, ProtocolError)) else f"stage {s}: {e}")
+                k, tokens = header.get("item"), arrays.get("next_token")
+                if type(k) is not int or tokens is None or tokens.ndim != 1:
+                    raise ProtocolError(f"stage {s} sent a TOKENS frame without an item number "
+                                        f"and a next_token vector ({str(header)[:100]})")
+                self._answer(k, tokens, header.get("busy_us", []), header.get("rows", 0))
+        except Exception as e:  # noqa: BLE001 (any error on a link ends the pipeline, at once)
+            why = str(e) if isinstance(e, (Closed, ProtocolError)) else f"{type(e).__name__}: {e}"
+            self.fail(why if why.startswith(f"stage {s}") else f"stage {s}: {why}")
 
     def _heartbeat(self) -> None:
-        period = max(0.2, self.stage_timeout / 4)
+        period = max(PING_MIN, self.stage_timeout / 4)
         while not self.failed:
             now = time.time()
             for s, conn in self.conns.items():
@@ -305,19 +363,19 @@ class Head:
     def fail(self, message: str) -> None:
         """Ends the head: answers every request with a 503 naming the cause, then exits non-zero."""
         with self.cond:
-            if self.failed:
+            if self.failed and not self.joining:
                 return
-            self.failed = message
+            self.failed, self.joining = message, None
             pending = list(self.queue) + list(self.live)
             pending += [r for _, ends in self.inflight for r, f in ends if f]
             self.queue.clear()
             self.live.clear()
             self.cond.notify_all()
-        print(f"error: head: {message}; answering {len(pending)} requests with 503 and exiting",
+        n = len(pending)
+        print(f"error: head: {message}; answering {n} request{'s' * (n != 1)} with 503 and exiting",
               file=sys.stderr, flush=True)
         for r in pending:
-            if not r.future.done():
-                r.future.set_exception(Refused(503, f"the pipeline failed: {message}"))
+            r.settle(error=Refused(503, f"the pipeline failed: {message}"))
         for conn in self.conns.values():
             try:
                 conn.send("ERROR", {"message": message})

@@ -1,26 +1,74 @@
 """The head's HTTP front end, OpenAI-compatible as vLLM and SGLang users expect (aiohttp).
 
-  POST /v1/completions  {"model", "prompt": text | [token ids], "max_tokens": 1}
-                        -> the first token, as text and id, with usage counts
-  GET  /v1/models       the served model and its context length
-  GET  /health          200 while the pipeline is up, 503 after a fault
-  GET  /metrics         Prometheus: requests by outcome, TTFT, items, rows per item, pages in
-                        use, per-stage item time
+  POST /v1/completions       {"model", "prompt", "max_tokens": 1, "stream"} -> the first token of
+                             each prompt, as text and id, with usage counts. A prompt is text or
+                             a list of token ids; a list of either is a batch (one choice each)
+  POST /v1/chat/completions  {"model", "messages", ...}: the checkpoint's chat template, then
+                             the same
+  GET  /v1/models            the served model and its context length
+  GET  /version              kernjax and jax versions, the model and the cut id
+  GET  /health               200 while the pipeline is up, 503 after a fault
+  GET  /metrics              Prometheus: requests by outcome, TTFT, items, rows per item, pages in
+                             use, per-stage item time
 
-This server does prefill only: `max_tokens` other than 1 is a 400 that says so. Errors use
-OpenAI's shape, `{"error": {"message", "type", "code"}}`; a bad body is a 400 naming the field.
+This server does prefill only and answers with the most likely token: `max_tokens` other than the
+integer 1 is a 400 that says so, and so is every field it cannot honour (`echo`, `n`, `best_of`,
+`logprobs`, `suffix`, `logit_bias`) or does not know. Sampling fields (`temperature`, `top_p`,
+`top_k`, `min_p`, `seed`), `stop`, the penalties and `user` are accepted and change nothing.
+`stream: true` answers with server-sent events: one chunk per prompt as it finishes, then
+`data: [DONE]`. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
+unknown paths and methods included. With `api_key`, every path but /health and /metrics wants
+`Authorization: Bearer KEY` (else 401).
+
+Bad input cannot stall the server: a body larger than `max_prompts` prompts of a full context can
+take (`BYTES_PER_TOKEN` each) is a 413 before it is read (also once decompressed), text longer
+than the context could tokenize to is a 400 before it is tokenized, a body slower than
+`body_timeout` is a 408 and an idle connection closes after it, requests beyond
+`max_connections` get a 503 (logged once per burst), and parsing, checking and tokenizing run on
+worker threads, so /health answers meanwhile. A prompt whose client has gone is dropped by the
+head before it is packed. Client mistakes are logged in one line at INFO.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
+import hmac
+import json
+import logging
+import resource
 import time
 import uuid
+from importlib import metadata
+from pathlib import Path
 
+import numpy as np
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kernjax.serve.head import Head, Refused
+
+log = logging.getLogger("kernjax.serve.http")
+
+# The most JSON bytes (or text characters) one prompt token may take; generous: token ids take
+# at most 8 (`"151643, "`), text about 4 characters a token, escaped non-ASCII 6 a character.
+BYTES_PER_TOKEN = 32
+OPEN = ("/health", "/metrics")            # answered without the API key and outside the cap
+IGNORED = {"user", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
+           "frequency_penalty"}
+CANNOT = {"echo": (False, "does not echo the prompt"),
+          "n": (1, "returns one completion per prompt"),
+          "best_of": (1, "returns one completion per prompt"),
+          "logprobs": (False, "returns no log probabilities (stages send only the token)"),
+          "top_logprobs": (0, "returns no log probabilities (stages send only the token)"),
+          "suffix": ("", "does not complete toward a suffix"),
+          "logit_bias": ({}, "answers with the most likely token, unbiased")}
+FIELDS = {False: {"model", "prompt", "max_tokens", "stream", "stream_options"},
+          True: {"model", "messages", "max_tokens", "max_completion_tokens", "stream",
+                 "stream_options", "add_generation_prompt"}}
+ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /version, "
+             "GET /health, GET /metrics")
 
 
 class Metrics:
@@ -46,77 +94,311 @@ class Metrics:
             self.stage.labels(str(s)).observe(us / 1e6)
 
 
+class Bad(Exception):
+    """A request answered with an error: `status`, the message and the field it names."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.status = param, status
+
+
 def _error(status: int, message: str, *, param: str | None = None) -> web.Response:
-    kind = "invalid_request_error" if status < 500 else "service_unavailable"
+    kind = {401: "authentication_error", 404: "not_found_error", 501: "not_implemented_error"}
+    kind = kind.get(status, "invalid_request_error" if status < 500 else "service_unavailable")
     return web.json_response({"error": {"message": message, "type": kind, "param": param,
                                         "code": status}}, status=status)
 
 
-def make_app(head: Head, *, name: str, vocab: int, tokenizer=None,
-             metrics: Metrics | None = None) -> web.Application:
-    """The aiohttp application serving `head` under the model name `name`."""
+def _show(v) -> str:
+    s = json.dumps(v)
+    return s if len(s) <= 40 else s[:37] + "..."
+
+
+def chat_template(ckpt: Path | None):
+    """`(source, special tokens)` of a checkpoint's chat template (`chat_template.jinja` or
+    `tokenizer_config.json`'s `chat_template`), or None when it has none."""
+    if ckpt is None:
+        return None
+    p = Path(ckpt) / "tokenizer_config.json"
+    cfg = json.loads(p.read_text()) if p.is_file() else {}
+    src = cfg.get("chat_template")
+    if isinstance(src, list):  # named templates: the default one
+        src = next((t.get("template") for t in src if t.get("name") == "default"), None)
+    if (Path(ckpt) / "chat_template.jinja").is_file():
+        src = (Path(ckpt) / "chat_template.jinja").read_text()
+    special = {k: v.get("content") if isinstance(v, dict) else v for k, v in cfg.items()
+               if k.endswith("_token") and isinstance(v, (str, dict))}
+    return (src, special) if isinstance(src, str) and src else None
+
+
+def _compile(source: str):
+    """The template rendered as Hugging Face renders it, or a string saying why it cannot be."""
+    try:
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return ("the checkpoint has a chat template, but jinja2 is not installed on the server "
+                "(pip install jinja2); send /v1/completions with the prompt as text")
+
+    def fail(message):
+        raise TemplateError(message)
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.globals.update(raise_exception=fail, strftime_now=lambda f: time.strftime(f))
+    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, indent=indent, ensure_ascii=False)
+    try:
+        return env.from_string(source)
+    except TemplateError as e:
+        return f"the checkpoint's chat template does not compile: {e}"
+
+
+def _fd_cap() -> int:
+    """Requests in progress the open-file limit (ulimit -n) leaves room for, at most 4096."""
+    return min(4096, max(64, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - 256))
+
+
+def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metrics | None = None,
+             checkpoint: Path | None = None, api_key: str | None = None,
+             max_connections: int | None = None, body_timeout: float = 30.0,
+             max_prompts: int = 64, max_body: int | None = None) -> web.Application:
+    """The aiohttp application serving `head` under the model name `name`.
+
+    `checkpoint` is where the chat template is looked for; `api_key` (None: open) is the Bearer
+    token every path but /health and /metrics wants; `max_connections` caps requests in
+    progress (None: from the open-file limit); `body_timeout` is the seconds a body may take to
+    arrive and an idle connection may stay open; `max_prompts` bounds a batch and, with the
+    context, the body size (`max_body` overrides that bound).
+    """
+    bad = [f"--{k} {v}" for k, v in (("max_prompts", max_prompts), ("body_timeout", body_timeout),
+                                     ("max_connections", max_connections))
+           if v is not None and v <= 0]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: give a value above 0")
     metrics = metrics or head.metrics or Metrics()
+    context = head.shape.context
+    max_chars = context * BYTES_PER_TOKEN
+    max_body = max_body or 65536 + max_prompts * max_chars
+    cap = max_connections or _fd_cap()
+    tpl = chat_template(checkpoint) if tokenizer is not None else None
+    render = _compile(tpl[0]) if tpl else None
+    pool = cf.ThreadPoolExecutor(4, thread_name_prefix="http")
+    busy = {"now": 0, "refused": 0, "accept": 0.0}
 
-    def bad(message: str, param: str | None = None, status: int = 400) -> web.Response:
-        metrics.requests.labels("bad_request").inc()
-        return _error(status, message, param=param)
-
-    async def completions(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except Exception:  # noqa: BLE001 (any unparsable body is the client's error)
-            return bad("the request body is not JSON; send {\"prompt\": ..., \"max_tokens\": 1}")
-        if not isinstance(body, dict):
-            return bad("the request body must be a JSON object")
-        if body.get("model") not in (None, name):
-            return bad(f"the model `{body.get('model')}` does not exist; this server serves "
-                       f"`{name}`", "model", 404)
-        max_tokens = body.get("max_tokens", 1)
-        if max_tokens != 1:
-            return bad(f"max_tokens is {max_tokens!r}: this server does prefill only and answers "
-                       "with the first token; send max_tokens 1", "max_tokens")
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
+    def tokens(p, i: int, many: bool):
+        at = f"prompt {i}: " if many else ""
+        if isinstance(p, str):
             if tokenizer is None:
-                return bad("this model has no tokenizer; send the prompt as a list of token ids",
-                           "prompt")
-            tokens = tokenizer.encode(prompt, add_special_tokens=False).ids
-        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
-                                              for t in prompt):
-            tokens = prompt
-        else:
-            return bad("prompt must be a string or a list of token ids (one prompt per request)",
-                       "prompt")
-        if not tokens:
-            return bad("the prompt is empty", "prompt")
-        if any(not 0 <= t < vocab for t in tokens):
-            return bad(f"prompt has token ids outside the vocabulary 0..{vocab - 1}", "prompt")
+                raise Bad("this model has no tokenizer; send the prompt as a list of token ids",
+                          "prompt")
+            if len(p) > max_chars:
+                raise Bad(f"{at}the prompt is {len(p)} characters; a sequence holds at most "
+                          f"{context} tokens, which no tokenizer makes of more than {max_chars} "
+                          f"characters ({BYTES_PER_TOKEN} a token)", "prompt")
+            try:
+                p = tokenizer.encode(p, add_special_tokens=False).ids
+            except Exception as e:  # noqa: BLE001 (a lone surrogate, say: the client's text)
+                raise Bad(f"{at}the prompt cannot be tokenized: {e}", "prompt") from None
+        if not p:
+            raise Bad(f"{at}the prompt is empty", "prompt")
+        if len(p) <= context and any(not 0 <= t < vocab for t in p):
+            raise Bad(f"{at}prompt has token ids outside the vocabulary 0..{vocab - 1}", "prompt")
+        return np.asarray(p, np.int32) if len(p) <= context else p  # longer: the head refuses
+
+    def prompts(body: dict) -> list:
+        p = body.get("prompt")
+        ids = lambda x: isinstance(x, list) and all(type(t) is int for t in x)  # noqa: E731
+        if isinstance(p, str) or ids(p):
+            return [p]
+        if isinstance(p, list) and p and (all(isinstance(x, str) for x in p)
+                                          or all(ids(x) for x in p)):
+            if len(p) > max_prompts:
+                raise Bad(f"prompt is a batch of {len(p)} prompts; this server takes at most "
+                          f"{max_prompts} a request", "prompt")
+            return p
+        raise Bad("prompt must be a string, a list of token ids, or a batch: a list of strings "
+                  "or a list of token-id lists", "prompt")
+
+    def messages(body: dict) -> str:
+        ms = body.get("messages")
+        if not isinstance(ms, list) or not ms or not all(isinstance(m, dict) and isinstance(
+                m.get("role"), str) for m in ms):
+            raise Bad("messages must be a non-empty list of {\"role\", \"content\"}", "messages")
+        out = []
+        for m in ms:
+            c = m.get("content")
+            if isinstance(c, list) and all(isinstance(x, dict) and x.get("type") == "text"
+                                           and isinstance(x.get("text"), str) for x in c):
+                c = "".join(x["text"] for x in c)
+            if not isinstance(c, str):
+                raise Bad("message content must be text (a string or a list of text parts)",
+                          "messages")
+            out.append({**m, "content": c})
+        if sum(len(m["content"]) for m in out) > max_chars:
+            raise Bad(f"the messages hold more than {max_chars} characters; a sequence holds at "
+                      f"most {context} tokens", "messages")
+        add = body.get("add_generation_prompt", True)
+        if not isinstance(add, bool):
+            raise Bad("add_generation_prompt must be true or false", "add_generation_prompt")
         try:
-            token, ttft = await asyncio.wrap_future(head.submit(tokens))
-        except Refused as e:
-            metrics.requests.labels("bad_request" if e.status < 500 else "unavailable").inc()
-            return _error(e.status, str(e), param="prompt" if e.status == 400 else None)
-        metrics.requests.labels("ok").inc()
-        metrics.ttft.observe(ttft)
-        text = tokenizer.decode([token]) if tokenizer else ""
-        return web.json_response({
-            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
-            "created": int(time.time()), "model": name,
-            "choices": [{"index": 0, "text": text, "token_ids": [token], "logprobs": None,
-                         "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(tokens), "completion_tokens": 1,
-                      "total_tokens": len(tokens) + 1}})
+            return render.render(messages=out, add_generation_prompt=add, **tpl[1])
+        except Exception as e:  # noqa: BLE001 (the template's own checks: roles, order)
+            raise Bad(f"the chat template refused these messages: {e}", "messages") from None
+
+    def prepare(data: bytes, chat: bool):
+        """Parses and checks a body and tokenizes its prompts, on a worker thread."""
+        try:
+            body = json.loads(data)
+        except (ValueError, RecursionError):
+            raise Bad("the request body is not JSON; send {\"prompt\": ..., \"max_tokens\": 1}") \
+                from None
+        if not isinstance(body, dict):
+            raise Bad("the request body must be a JSON object")
+        unknown = sorted(set(body) - FIELDS[chat] - IGNORED - set(CANNOT))
+        if unknown:
+            raise Bad(f"unknown field `{unknown[0]}`; this server takes "
+                      f"{', '.join(sorted(FIELDS[chat] | set(CANNOT)))} (and ignores "
+                      f"{', '.join(sorted(IGNORED))})", unknown[0])
+        if body.get("model") not in (None, name):
+            raise Bad(f"the model `{body.get('model')}` does not exist; this server serves "
+                      f"`{name}`", "model", 404)
+        for k in ("max_tokens", "max_completion_tokens"):
+            v = body.get(k)
+            if v is not None and not (type(v) is int and v == 1):
+                raise Bad(f"{k} is {_show(v)}: this server does prefill only and answers with the "
+                          f"first token; send {k} 1 (an integer)", k)
+        for k, (ok, why) in CANNOT.items():
+            v = body.get(k)
+            if v is not None and not (type(v) is type(ok) and v == ok):
+                raise Bad(f"`{k}` is {_show(v)}: this server {why}; leave it out", k)
+        stream, opts = body.get("stream", False), body.get("stream_options")
+        stream = False if stream is None else stream
+        if not isinstance(stream, bool):
+            raise Bad("stream must be true or false", "stream")
+        if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {
+                "include_usage"} or not isinstance(opts.get("include_usage", False), bool)):
+            raise Bad("stream_options takes {\"include_usage\": true|false}, with stream true",
+                      "stream_options")
+        ps = [messages(body)] if chat else prompts(body)
+        return [tokens(p, i, len(ps) > 1) for i, p in enumerate(ps)], stream, bool(
+            opts and opts.get("include_usage"))
+
+    async def read(request: web.Request) -> bytes:
+        n = request.content_length
+        big = (f"this server takes bodies of at most {max_body} bytes ({max_prompts} prompts of "
+               f"{context} tokens at {BYTES_PER_TOKEN} bytes a token)")
+        if n is not None and n > max_body:
+            raise Bad(f"the body is {n} bytes; {big}", status=413)
+        try:
+            return await asyncio.wait_for(request.read(), body_timeout)
+        except TimeoutError:
+            raise Bad(f"the body did not arrive within {body_timeout:g} s", status=408) from None
+        except web.HTTPRequestEntityTooLarge:
+            raise Bad(f"the body is larger (once decompressed); {big}", status=413) from None
+        except HttpProcessingError as e:
+            raise Bad(f"the body could not be read: {e.message}") from None
+
+    async def complete(request: web.Request, chat: bool) -> web.StreamResponse:
+        if chat and render is None:
+            raise Bad("the checkpoint has no chat template (no tokenizer, or no `chat_template` "
+                      "in its tokenizer_config.json); send /v1/completions with the prompt as "
+                      "text", "messages")
+        if chat and isinstance(render, str):
+            raise Bad(render, "messages", 501)
+        data = await read(request)
+        loop = asyncio.get_running_loop()
+        ps, stream, usage = await loop.run_in_executor(pool, prepare, data, chat)
+        gone = {"flag": False}
+        futs = head.submit_all(ps, lambda: gone["flag"] or request.transport is None)
+        if futs[0].done() and futs[0].exception():  # refused at once: all of them are
+            e = futs[0].exception()
+            raise Bad(str(e), "prompt" if e.status == 400 else None, e.status)
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+
+        async def one(i: int):
+            try:
+                return i, await asyncio.shield(asyncio.wrap_future(futs[i]))
+            except Refused as e:
+                return i, e
+
+        def choice(i: int, token: int) -> dict:
+            text = tokenizer.decode([token]) if tokenizer else ""
+            c = ({"delta" if stream else "message": {"role": "assistant", "content": text}}
+                 if chat else {"text": text, "token_ids": [token]})
+            return {"index": i, **c, "logprobs": None, "finish_reason": "length"}
+
+        def envelope(choices: list) -> dict:
+            kind = "text_completion" if not chat else "chat.completion" + ".chunk" * stream
+            return {"id": rid, "object": kind, "created": created, "model": name,
+                    "choices": choices}
+
+        n = sum(map(len, ps))
+        counts = {"prompt_tokens": n, "completion_tokens": len(ps), "total_tokens": n + len(ps)}
+        try:
+            if not stream:
+                got = await asyncio.gather(*(one(i) for i in range(len(ps))))
+                bad = next((r for _, r in got if isinstance(r, Refused)), None)
+                if bad:
+                    raise Bad(str(bad), None, bad.status)
+                for _, (_, ttft) in got:
+                    metrics.ttft.observe(ttft)
+                metrics.requests.labels("ok").inc()
+                return web.json_response({**envelope([choice(i, t) for i, (t, _) in got]),
+                                          "usage": counts})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               "Cache-Control": "no-cache"})
+            await resp.prepare(request)
+
+            async def send(obj) -> None:
+                await resp.write(b"data: " + (obj if isinstance(obj, bytes) else
+                                              json.dumps(obj).encode()) + b"\n\n")
+            outcome = "ok"
+            for done in asyncio.as_completed([one(i) for i in range(len(ps))]):
+                i, r = await done
+                if isinstance(r, Refused):  # the client went, or the pipeline failed: say so
+                    if r.status == 499:
+                        metrics.requests.labels("abandoned").inc()
+                        return resp
+                    outcome = "unavailable"
+                    await send({"error": {"message": str(r), "type": "service_unavailable",
+                                          "param": None, "code": r.status}})
+                    break
+                metrics.ttft.observe(r[1])
+                await send(envelope([choice(i, r[0])]))
+            if usage and outcome == "ok":
+                await send({**envelope([]), "usage": counts})
+            await send(b"[DONE]")
+            await resp.write_eof()
+            metrics.requests.labels(outcome).inc()
+            return resp
+        except (asyncio.CancelledError, ConnectionError):
+            gone["flag"] = True  # the client went: what is not packed yet is dropped
+            metrics.requests.labels("abandoned").inc()
+            raise
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await complete(request, False)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await complete(request, True)
 
     async def models(_: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
             "id": name, "object": "model", "owned_by": "kernjax",
             "max_model_len": head.shape.context}]})
 
+    async def version(_: web.Request) -> web.Response:
+        def v(pkg):
+            try:
+                return metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                return "unknown"
+        return web.json_response({"version": v("kernjax"), "jax": v("jax"), "model": name,
+                                  "cut": head.art.cut_id, "stages": head.stages})
+
     async def health(_: web.Request) -> web.Response:
-        if head.failed:
-            return _error(503, head.failed)
+        # 503 while the stages join ("waiting for stages 1..2 to join") and after a fault.
+        if head.waiting() or head.failed:
+            return _error(503, head.waiting() or head.failed)
         return web.json_response({"status": "ok", "stages": head.stages,
                                   "pages_in_use": head.pool.in_use})
 
@@ -124,7 +406,86 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None,
         return web.Response(body=generate_latest(metrics.registry),
                             content_type="text/plain", charset="utf-8")
 
-    app = web.Application(client_max_size=64 << 20)
-    app.add_routes([web.post("/v1/completions", completions), web.get("/v1/models", models),
+    def refuse(request: web.Request, status: int, message: str, param=None,
+               allow=()) -> web.Response:
+        """An error answer, logged in one line; the connection closes if its body is unread."""
+        outcome = ("abandoned" if status == 499 else "bad_request" if status < 500
+                   else "unavailable")
+        metrics.requests.labels(outcome).inc()
+        log.log(logging.INFO if status < 500 else logging.WARNING, "http: %s %s from %s: %d %s",
+                request.method, request.path, request.remote, status, message)
+        resp = _error(status, message, param=param)
+        if allow:
+            resp.headers["Allow"] = ", ".join(sorted(allow))
+        if status == 401:
+            resp.headers["WWW-Authenticate"] = "Bearer"
+        if not request.content.at_eof():
+            resp.force_close()
+        return resp
+
+    @web.middleware
+    async def guard(request: web.Request, handler):
+        counted = request.path not in OPEN
+        if counted and busy["now"] >= cap:
+            if not busy["refused"]:
+                log.warning("http: %d in progress (--max_connections %d): refusing more requests "
+                            "with 503 until one ends", busy["now"], cap)
+            busy["refused"] += 1
+            metrics.requests.labels("overloaded").inc()
+            resp = _error(503, f"the server is at its limit of {cap} request"
+                               f"{'s' * (cap != 1)} in progress; retry later")
+            resp.force_close()
+            return resp
+        busy["now"] += counted
+        try:
+            auth = request.headers.get("Authorization", "")
+            if counted and api_key and not hmac.compare_digest(auth.encode(),
+                                                               f"Bearer {api_key}".encode()):
+                raise Bad("missing or wrong API key; send `Authorization: Bearer KEY`",
+                          status=401)
+            return await handler(request)
+        except Bad as e:
+            return refuse(request, e.status, str(e), e.param)
+        except web.HTTPNotFound:
+            return refuse(request, 404, f"no endpoint {request.method} {request.path}; this "
+                                        f"server answers {ENDPOINTS}")
+        except web.HTTPMethodNotAllowed as e:
+            return refuse(request, 405, f"{request.path} does not take {request.method}; this "
+                                        f"server answers {ENDPOINTS}", allow=e.allowed_methods)
+        finally:
+            busy["now"] -= counted
+            if busy["refused"] and busy["now"] < cap:
+                log.warning("http: below --max_connections %d again; refused %d request%s",
+                            cap, busy["refused"], "s" * (busy["refused"] != 1))
+                busy["refused"] = 0
+
+    async def start(_: web.Application) -> None:
+        """Out of file descriptors, asyncio logs a traceback per failed accept(): one line a
+        minute instead."""
+        loop = asyncio.get_running_loop()
+        default = loop.get_exception_handler()
+
+        def handler(loop, ctx):
+            e = ctx.get("exception")
+            if isinstance(e, OSError) and "accept" in ctx.get("message", ""):
+                if time.time() - busy["accept"] > 60:
+                    busy["accept"] = time.time()
+                    log.warning("http: cannot accept connections: %s (raise ulimit -n or lower "
+                                "--max_connections)", e)
+                return
+            default(loop, ctx) if default else loop.default_exception_handler(ctx)
+        loop.set_exception_handler(handler)
+
+    async def stop(_: web.Application) -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+    app = web.Application(client_max_size=max_body, middlewares=[guard],
+                          handler_args={"keepalive_timeout": body_timeout,
+                                        "lingering_time": min(2.0, body_timeout)})
+    app.on_startup.append(start)
+    app.on_cleanup.append(stop)
+    app.add_routes([web.post("/v1/completions", completions),
+                    web.post("/v1/chat/completions", chat_completions),
+                    web.get("/v1/models", models), web.get("/version", version),
                     web.get("/health", health), web.get("/metrics", prometheus)])
     return app

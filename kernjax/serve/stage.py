@@ -1,11 +1,13 @@
 """A stage process past the head: receive items and arrivals, run, send departures or tokens.
 
 The stage listens for its predecessor, joins the head (`--pp_head`, retried for
-`startup_timeout`) with a Hello, takes its Table (pages, and the next stage's address and
-arrivals, which must equal its own departures), connects to the next stage and accepts its
-predecessor. Then, item by item in order: the fills come from the head, the arrivals from the
-stage before, the departures go to the stage after, and the last stage sends the head the tokens.
-A reader thread answers the head's pings while the main thread computes.
+`startup_timeout`, saying once that it waits) with a Hello, takes its Table (pages, and the next
+stage's address and arrivals, which must equal its own departures), connects to the next stage
+(saying Hello {stage, cut} on that link) and accepts as its predecessor only a connection whose
+Hello names stage s-1 of its cut; any other connection is refused with one log line. Then, item
+by item in order: the fills come from the head, the arrivals from the stage before, the
+departures go to the stage after, and the last stage sends the head the tokens. A reader thread
+answers the head's pings while the main thread computes.
 
 Any error ends the process with a message naming the stage and what failed; a closed connection
 to the head or a neighbour ends it too, so when one process goes the pipeline goes.
@@ -23,7 +25,7 @@ import time
 import numpy as np
 
 from kernjax.runner import Runner
-from kernjax.serve.protocol import MAX_FRAME, Closed, Conn, ProtocolError, connect
+from kernjax.serve.protocol import MAX_FRAME, Closed, ProtocolError, connect, handshakes
 from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
@@ -42,39 +44,59 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         print(f"error: stage {s}: {msg}", file=sys.stderr, flush=True)
         os._exit(1)
 
+    def say(msg: str) -> None:
+        print(f"stage {s}: {msg}", file=sys.stderr, flush=True)
+
     if s == 0:
         die(f"`{art.path}` is stage 0, the head: start it with --pp_listen")
+    got = []
+
+    def take(conn, kind: str, hello: dict) -> str | None:
+        if kind != "HELLO":
+            return f"sent {kind} where stage {s - 1}'s Hello was due"
+        if hello.get("cut") != art.cut_id or hello.get("stage") != s - 1:
+            return (f"this is stage {s} of cut `{art.cut_id}`; it takes stage {s - 1} of that cut, "
+                    f"not stage {hello.get('stage')} of cut `{hello.get('cut')}`")
+        got.append(conn)
+        return None
+
     try:
         server = socket.create_server((host, 0))
-        hconn = connect(head, "the head", startup_timeout, limit=max_frame)
+        hconn = connect(head, "the head", startup_timeout, limit=max_frame, say=say)
         fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
         hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
                              "pages": art.item.pages, "listen": server.getsockname()[1],
                              "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
                              "fills": fills})
         table, _ = hconn.expect("TABLE")
+        if type(table.get("pages")) is not int or not (
+                table.get("next") is None or isinstance(table["next"], dict)):
+            die(f"the head sent a malformed Table: {str(table)[:200]}")
         if table["pages"] > art.item.pages:
             hconn.send("ERROR", {"message": f"stage {s} holds {art.item.pages} pages, not "
                                             f"{table['pages']}"})
             die(f"the head asks for {table['pages']} pages; this stage holds {art.item.pages}")
         nxt = None
         if (table["next"] is None) != last:
-            die(f"the head's table says next={table['next']}, but this is stage {s} of {art.stages}")
+            die(f"the head's table says next={table['next']}, but this is stage {s} of "
+                f"{art.stages}")
         if table["next"]:
-            if table["next"]["arrivals"] != _slots(art.departures):
-                die(f"stage {s + 1} takes {table['next']['arrivals']}; this stage departs "
+            if table["next"].get("arrivals") != _slots(art.departures):
+                die(f"stage {s + 1} takes {table['next'].get('arrivals')}; this stage departs "
                     f"{_slots(art.departures)}")
-            nxt = HostTransport(connect(table["next"]["address"], f"stage {s + 1}", 60,
-                                        limit=max_frame), art.departures)
-        server.settimeout(60)
-        sock, _ = server.accept()
-        sock.settimeout(None)
-        prev = HostTransport(Conn(sock, name=f"stage {s - 1}", limit=max_frame), art.arrivals)
+            conn = connect(str(table["next"].get("address")), f"stage {s + 1}", 60,
+                           limit=max_frame)
+            conn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id})
+            nxt = HostTransport(conn, art.departures)
+        if not handshakes(server, take, done=lambda: bool(got), deadline=time.time() + 60,
+                          log=say, limit=max_frame):
+            die(f"stage {s - 1} did not connect within 60 s")
         server.close()
-    except (OSError, RuntimeError, ProtocolError, Closed) as e:
+        got[0].name = f"stage {s - 1}"
+        prev = HostTransport(got[0], art.arrivals)
+    except (OSError, RuntimeError, ValueError, ProtocolError, Closed) as e:
         die(f"cannot join the pipeline: {e}")
-    print(f"stage {s}: joined cut `{art.cut_id}` ({table['pages']} pages)", file=sys.stderr,
-          flush=True)
+    say(f"joined cut `{art.cut_id}` ({table['pages']} pages)")
 
     items: queue.Queue = queue.Queue()
 

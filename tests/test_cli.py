@@ -1,0 +1,171 @@
+"""The command-line shells as a user meets them, through subprocesses: --help, messages and exit
+codes, re-cutting into the same --out, Ctrl-C. Independent commands run four at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from kernjax import weights
+
+MODEL = "qwen3-tiny"
+SMALL = ["--chunk", "16", "--context", "64"]
+
+
+def _cli(*args, cwd):
+    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd,
+                          timeout=300)
+
+
+def _all(cmds: dict, cwd) -> dict:
+    with ThreadPoolExecutor(4) as ex:
+        futs = {k: ex.submit(_cli, *args, cwd=cwd) for k, args in cmds.items()}
+        return {k: f.result() for k, f in futs.items()}
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A 3-stage cut re-cut into 2 stages in `st/`, a cut `sw/` of a checkpoint since moved, a
+    checkpoint of another model, a foreign directory; cwd for every command below."""
+    t = tmp_path_factory.mktemp("cli")
+    weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck", progress=False)
+    made = _all({"three": ["kernjax.cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
+                 "sw": ["kernjax.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL]}, t)
+    made["two"] = _cli("kernjax.cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
+    for p in made.values():
+        assert p.returncode == 0, p.stderr
+    (t / "ck").rename(t / "moved")
+    shutil.copytree(t / "moved", t / "other")
+    conf = json.loads((t / "other" / "config.json").read_text())
+    (t / "other" / "config.json").write_text(json.dumps({**conf, "intermediate_size": 256}))
+    (t / "foreign").mkdir()
+    (t / "foreign" / "config.json").write_text("{}")
+    (t / "one.txt").write_text("7\n")
+    return t, made
+
+
+def test_recut_replaces_the_previous_cut(work):
+    t, made = work
+    assert "(`embed` .. `embed`, 1 call)" in made["three"].stdout
+    assert "writing st/stage0 (1 call)\n" in made["three"].stderr
+    assert sorted(os.listdir(t / "st")) == ["stage0", "stage1", "whole"]
+    assert "removing the previous cut from st: stage0/, stage1/, stage2/, whole/" in \
+        made["two"].stderr
+    assert "wrote 2 stages and whole/ to st" in made["two"].stdout
+
+
+HELP = {
+    "kernjax": ["--model", "--chunk: rows per chunk (default: 64)", "--out"],
+    "kernjax.cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
+                    "--chunk: rows per run of the program (default: 512)", "(required)"],
+    "kernjax.run": ["--prompt", "--tokens", "--stages", "--model", "--weights", "--save"],
+    "kernjax.chain": ["--stages", "--prompts", "--chunk", "--weights"],
+    "kernjax.weights": ["python -m kernjax.weights random", "--model", "--out", "--seed"],
+    "kernjax.serve": ["--stage_dir", "--model", "--weights", "--dtype", "--seed", "--port"],
+    "kernjax.timeline": ["--png", "--first", "--last"],
+}
+
+
+def test_help_lists_each_commands_own_flags(tmp_path):
+    cmds = {m: [m, "--help"] for m in HELP}
+    cmds["short"] = ["kernjax.weights", "--helpshort"]
+    got = _all(cmds, tmp_path)
+    for m, p in got.items():
+        assert p.returncode == 0 and "flags:" in p.stdout, (m, p.stdout, p.stderr)
+        assert "Try --helpfull" not in p.stdout + p.stderr and "--logtostderr" not in p.stdout, m
+        for word in HELP.get(m, HELP["kernjax.weights"]):
+            assert word in p.stdout, (m, word, p.stdout)
+
+
+REFUSALS = {
+    "layers_out_of_order": (["kernjax.cut", "--model", MODEL, "--at", "2,1", "--out", "x"],
+                            "--at 2,1: layer 2 (call 26) and layer 1 (call 14) are not increasing"),
+    "at_zero": (["kernjax.cut", "--model", MODEL, "--at", "0", "--out", "x"],
+                "--at 0: a cut before layer 0 leaves stage 0 without a layer; cut at a layer from "
+                "1 to 3"),
+    "foreign_out": (["kernjax.cut", "--model", MODEL, "--at", "2", "--out", "foreign"],
+                    "--out `foreign` holds config.json, which kernjax.cut did not write"),
+    "empty_tokens": (["kernjax.run", "--model", MODEL, "--tokens", ""], "the prompt is empty"),
+    "empty_prompt": (["kernjax.run", "--model", MODEL, "--prompt", ""], "the prompt is empty"),
+    "no_source": (["kernjax.run", "--tokens", "5"], "no model given: pass --stages DIR"),
+    "no_source_serve": (["kernjax.serve"], "no model given: pass --stage_dir DIR"),
+    "stages_too_low": (["kernjax.run", "--stages", "st/stage0", "--tokens", "5"],
+                       "`st/stage0` is one stage; --stages takes the cut directory that holds "
+                       "it: `st`"),
+    "stages_too_high": (["kernjax.run", "--stages", ".", "--tokens", "5"],
+                        "`.` holds no stage0/ .. directories; it holds cuts: pass one of `st`, `sw`"),
+    "stages_missing": (["kernjax.run", "--stages", "nowhere", "--tokens", "5"],
+                       "--stages `nowhere` does not exist"),
+    "weights_missing": (["kernjax.run", "--weights", "nowhere", "--tokens", "5"],
+                        "nowhere` does not exist"),
+    "stage_dir_too_high": (["kernjax.serve", "--stage_dir", "st"],
+                           "`st` holds a cut, not one stage: name one of its stages, `st/stage0`"),
+    "prompts_missing": (["kernjax.chain", "--stages", "st", "--prompts", "nowhere"],
+                        "--prompts `nowhere` does not exist"),
+    "checkpoint_gone": (["kernjax.run", "--stages", "sw", "--tokens", "5"],
+                        "ck`, recorded by `sw/stage0` when it was cut, does not exist any more; "
+                        "pass --weights"),
+    "other_model": (["kernjax.run", "--stages", "sw", "--weights", "other", "--tokens", "5"],
+                    "checkpoint `other` is another model than the stages were cut for: "
+                    "intermediate 256 (the stages: 128)"),
+    "wrong_verb": (["kernjax.weights", "randm", "--model", MODEL, "--out", "w"],
+                   "the verb is random"),
+}
+WORKS = {
+    "chain_one": (["kernjax.chain", "--stages", "st", "--prompts", "one.txt"],
+                  "prompt 0: 1 token, 1 chunk: IDENTICAL\nPASS: 1 prompt bitwise identical"),
+    "text_on_random_weights": (["kernjax.run", "--model", MODEL, "--prompt", "Hello"],
+                               "prompt: 1 token; first token: "),
+    "moved_with_weights": (["kernjax.run", "--stages", "sw", "--weights", "moved", "--tokens",
+                            "5 6"], "prompt: 2 tokens; first token: "),
+}
+
+
+@pytest.fixture(scope="module")
+def ran(work):
+    return _all({k: v[0] for k, v in {**REFUSALS, **WORKS}.items()}, work[0])
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_refusals_are_one_message_and_status_2(ran, work, name):
+    p = ran[name]
+    assert p.returncode == 2, (p.returncode, p.stdout, p.stderr)
+    assert REFUSALS[name][1] in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and "error: " in p.stderr, p.stderr
+    assert (work[0] / "foreign" / "config.json").is_file() and not (work[0] / "x").exists()
+
+
+@pytest.mark.parametrize("name", WORKS)
+def test_commands_that_work_say_so_in_agreeing_words(ran, name):
+    p = ran[name]
+    assert p.returncode == 0, p.stderr
+    assert WORKS[name][1] in p.stdout, p.stdout
+
+
+def test_ctrl_c_is_one_line_and_status_130(work):
+    """Interrupted while it reads its prompts (a FIFO nobody writes), chain says one line."""
+    t = work[0]
+    os.mkfifo(t / "fifo")
+    p = subprocess.Popen([sys.executable, "-m", "kernjax.chain", "--stages", "st", "--prompts",
+                          "fifo"], cwd=t, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while True:  # opening the write end succeeds once chain has opened the read end
+        try:
+            fd = os.open(t / "fifo", os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError:
+            assert time.time() < deadline and p.poll() is None, p.communicate()
+            time.sleep(0.05)
+    try:
+        p.send_signal(2)
+        out, err = p.communicate(timeout=60)
+    finally:
+        os.close(fd)
+    assert p.returncode == 130 and err == "interrupted\n", (p.returncode, out, err)

@@ -1,0 +1,290 @@
+"""The serving processes' edges, through the real `python -m kernjax.serve` on loopback: careless
+flags, a taken HTTP port, Ctrl-C, logs with timestamps, /health while stages join, and the stage
+links against hostile peers (malformed frames, silent connections, a joined stage that sends a
+malformed frame, a stranger at a stage's predecessor port)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from kernjax.serve.protocol import CODE, PREFIX, Conn, ProtocolError, connect, encode
+from tests.test_serve import _cut, _head, _joiner, _one, _port, _wait
+
+STAMP = r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z "
+
+
+@pytest.fixture(scope="module")
+def cut(tmp_path_factory):
+    return _cut(tmp_path_factory.mktemp("link") / "two", "1")
+
+
+def _serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kernjax.serve", *args], capture_output=True,
+                          text=True, timeout=60)
+
+
+def _clean(text: str) -> None:
+    assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("flag, words", [
+    (["--max_seqs", "0"], "--max_seqs 0: the head must admit at least 1"),
+    (["--stage_timeout", "0.5"], "every 0.25 s (the ping period)"),
+    (["--port", "70000"], "--port 70000 is not a TCP port; give one in 1..65535"),
+    (["--pp_listen", "127.0.0.1:0"], "port 0 is not in 1..65535"),
+    (["--log_dir", "x", "--log_file", "y"], "not both"),
+])
+def test_careless_flags_are_refused_at_startup(cut, flag, words):
+    p = _serve("--stage_dir", str(cut / "stage0"), *flag)
+    assert p.returncode == 2 and words in p.stderr, p.stderr
+    assert p.stderr.count("\n") == 1, p.stderr
+
+
+def test_a_taken_http_port_fails_before_serving(cut):
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        p = _serve("--stage_dir", str(cut / "whole"), "--port", str(port))
+    assert p.returncode == 2, p.stderr
+    assert f"cannot serve HTTP on 127.0.0.1:{port}" in p.stderr and "--port" in p.stderr, p.stderr
+    assert "serving" not in p.stderr
+    _clean(p.stderr)
+
+
+def test_ctrl_c_and_sigterm_on_a_waiting_head_and_stage_are_one_line(cut, tmp_path):
+    """Ctrl-C (SIGINT) ends with `interrupted` and 130, SIGTERM with `terminated` and 143."""
+    nobody = _port()
+    head = _head(cut / "stage0", _port(), _port(), tmp_path / "head.log")
+    stage = _joiner(cut / "stage1", nobody, tmp_path / "stage.log")
+    try:
+        head.wait_for("waiting for stages")
+        stage.wait_for("waiting for the head")
+        assert re.search(STAMP + rf"stage 1: waiting for the head at 127.0.0.1:{nobody} "
+                         r"\(Connection refused\); retrying for 600 s", stage.text()), stage.text()
+        head.p.send_signal(signal.SIGTERM)
+        stage.p.send_signal(signal.SIGINT)
+        for proc, code, word in ((head, 143, "terminated"), (stage, 130, "interrupted")):
+            assert _wait(proc, 20) == code, proc.text()
+            assert proc.text().rstrip().endswith(word), proc.text()
+            _clean(proc.text())
+    finally:
+        head.p.kill()
+        stage.p.kill()
+
+
+async def _get(url: str):
+    async with aiohttp.ClientSession() as s, s.get(url) as r:
+        return r.status, await r.json(content_type=None)
+
+
+def _trickle(sock: socket.socket, data: bytes, every: float) -> None:
+    """Sends `data` a byte every `every` seconds from a thread, until the connection goes."""
+    def go():
+        for i in range(len(data)):
+            try:
+                sock.send(data[i:i + 1])
+            except OSError:
+                return
+            time.sleep(every)
+    threading.Thread(target=go, daemon=True).start()
+
+
+def _raw(address, data: bytes) -> socket.socket:
+    sock = socket.create_connection(address)
+    sock.sendall(data)
+    return sock
+
+
+def test_the_head_waits_through_junk_and_logs_with_timestamps(cut, tmp_path):
+    pp, port = _port(), _port()
+    url, logs = f"http://127.0.0.1:{port}", tmp_path / "logs"
+    head = _head(cut / "stage0", pp, port, tmp_path / "head.console", "--log_dir", str(logs))
+    socks, stage = [], None
+    try:
+        head.wait_for("waiting for stages")
+        status, body = asyncio.run(_get(url + "/health"))
+        assert status == 503 and body["error"]["message"] == "waiting for stage 1 to join", body
+        (status, body), = asyncio.run(_one(url, {"prompt": [1, 2, 3]}))
+        assert status == 503 and "waiting for stage 1" in body["error"]["message"], body
+        # Junk on the stage port: malformed frames, a stranger's Hello, silent and slow peers.
+        at = ("127.0.0.1", pp)
+        frame = lambda header: PREFIX.pack(b"KJ", 1, CODE["HELLO"], len(header), 0) + header  # noqa: E731
+        socks += [_raw(at, frame(b"[]")), _raw(at, frame(b"[" * 100_000 + b"]" * 100_000)),
+                  _raw(at, b"GET / HTTP/1.1\r\n\r\n"), _raw(at, encode("PING", {})),
+                  _raw(at, encode("HELLO", {"stage": 1, "cut": "fd", "fills": [[1]]})),
+                  _raw(at, encode("HELLO", {"stage": 9, "cut": None}))]
+        socks += [socket.create_connection(at) for _ in range(5)]   # silent
+        slow = socket.create_connection(at)
+        socks.append(slow)
+        _trickle(slow, encode("HELLO", {"stage": 1}), 1.0)
+        time.sleep(1)
+        assert head.p.poll() is None, head.text()
+        t0 = time.time()
+        stage = _joiner(cut / "stage1", pp, tmp_path / "stage.console", "--log_dir", str(logs))
+        head.wait_for("serving", 40)
+        # One at a time, 10 s each, the 5 silent peers alone would hold the join for 50 s.
+        assert "serving" in head.text() and time.time() - t0 < 35, head.text()
+        text = head.text()
+        for words in ("`[]` is not a JSON object", "nested too deeply", "not a kernjax frame",
+                      "sent PING where a Hello was due", "belongs to cut `fd`"):
+            assert re.search(STAMP + "head: refused .*" + re.escape(words), text), (words, text)
+        assert all(_one_line(text, ln) for ln in text.splitlines() if "refused" in ln)
+        for k in range(3):
+            (status, _), = asyncio.run(_one(url, {"prompt": [1, 2, 3 + k]}))
+            assert status == 200
+        assert asyncio.run(_get(url + "/health"))[0] == 200
+        files = [logs / "stage0.log", logs / "stage1.log"]
+        for f in files:
+            lines = [ln for ln in f.read_text().splitlines() if " pp item " in ln]
+            assert len(lines) == 3 and all(re.match(STAMP + "pp item", ln) for ln in lines), lines
+        assert "pp item" not in head.text()  # with a log file, the console skips them
+        p = subprocess.run([sys.executable, "-m", "kernjax.timeline", *map(str, files),
+                            "--first", "0"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "idle share" in p.stdout and "items 0..2" in p.stdout, p
+        _clean(head.text() + stage.text())
+    finally:
+        for sock in socks:
+            sock.close()
+        head.p.kill()
+        if stage:
+            stage.p.kill()
+
+
+def test_a_trickling_connection_cannot_hold_the_head_past_its_startup_timeout(cut, tmp_path):
+    pp = _port()
+    head = _head(cut / "stage0", pp, _port(), tmp_path / "head.log", "--startup_timeout", "3")
+    socks = []
+    try:
+        head.wait_for("waiting for stages")
+        t0 = time.time()
+        socks = [socket.create_connection(("127.0.0.1", pp)) for _ in range(3)]
+        _trickle(socks[0], encode("HELLO", {"stage": 1}), 0.5)
+        assert _wait(head, 20) == 2, head.text()
+        assert time.time() - t0 < 6, head.text()
+        assert "stages [1] did not join within 3 s (--startup_timeout)" in head.text(), head.text()
+        _clean(head.text())
+    finally:
+        for sock in socks:
+            sock.close()
+        head.p.kill()
+
+
+def _one_line(text: str, line: str) -> bool:
+    """A refusal is one line: the next line is another stamped line (or the end)."""
+    rest = text.split(line, 1)[1].lstrip("\n")
+    return not rest or re.match(STAMP, rest) is not None
+
+
+class FakeStage:
+    """The last stage of a 2-stage cut as a test drives it: joins the head, takes the head's link."""
+
+    def __init__(self, cut, pp: int):
+        from kernjax import stage as artifacts
+        from kernjax.serve.stage import _slots
+        art = artifacts.read(cut / "stage1")
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.conn = connect(f"127.0.0.1:{pp}", "the head", 60)
+        self.conn.send("HELLO", {
+            "stage": 1, "stages": 2, "cut": art.cut_id, "pages": art.item.pages,
+            "listen": self.server.getsockname()[1], "arrivals": _slots(art.arrivals),
+            "departures": _slots(art.departures),
+            "fills": [x.name for x in art.inputs if x.role in ("fill", "table")]})
+        self.table, _ = self.conn.expect("TABLE")
+        self.server.settimeout(30)
+        sock, _ = self.server.accept()
+        self.prev = Conn(sock, name="stage 0")
+        hello, _ = self.prev.expect("HELLO")
+        assert hello["stage"] == 0 and hello["cut"] == art.cut_id
+
+    def next_item(self) -> dict:
+        while True:
+            kind, header, _ = self.conn.recv()
+            if kind == "PING":
+                self.conn.send("PONG")
+            elif kind == "ITEM":
+                return header
+
+
+@pytest.mark.parametrize("bad, words", ids=["no item", "a non-object header"], argvalues=[
+    (encode("TOKENS", {"rows": 3}, {"next_token": np.zeros(4, np.int32)}),
+     "stage 1 sent a TOKENS frame without an item number"),
+    (PREFIX.pack(b"KJ", 1, CODE["TOKENS"], 2, 0) + b"[]",
+     "stage 1 sent a bad frame: a TOKENS frame has a malformed header (`[]` is not a JSON object)"),
+])
+def test_a_malformed_frame_from_a_joined_stage_ends_the_pipeline_at_once(cut, tmp_path, bad,
+                                                                          words):
+    pp, port = _port(), _port()
+    head = _head(cut / "stage0", pp, port, tmp_path / "head.log")
+    try:
+        head.wait_for("waiting for stages")
+        stage = FakeStage(cut, pp)
+        head.wait_for("serving")
+
+        async def go():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+                task = asyncio.create_task(s.post(f"http://127.0.0.1:{port}/v1/completions",
+                                                  json={"prompt": [1, 2, 3]}))
+                await asyncio.to_thread(stage.next_item)
+                stage.conn.sock.sendall(bad)
+                r = await task
+                return r.status, await r.json(content_type=None)
+
+        t0 = time.time()
+        status, body = asyncio.run(go())
+        assert status == 503 and words in body["error"]["message"], body
+        assert time.time() - t0 < 10  # at once, not after --stage_timeout (60 s)
+        assert _wait(head, 15) == 1, head.text()
+        assert f"error: head: {words}" in head.text(), head.text()
+        _clean(head.text())
+    finally:
+        head.p.kill()
+
+
+def test_a_stage_started_before_its_head_waits_and_checks_its_predecessor(cut, tmp_path):
+    pp = _port()
+    stage = _joiner(cut / "stage1", pp, tmp_path / "stage.log")
+    socks = []
+    try:
+        stage.wait_for("waiting for the head")
+        with socket.create_server(("127.0.0.1", pp)) as server:  # the head, played by the test
+            server.settimeout(30)
+            sock, _ = server.accept()
+        head = Conn(sock, name="stage 1")
+        hello, _ = head.expect("HELLO")
+        at = ("127.0.0.1", hello["listen"])
+        # Strangers reach the stage's predecessor port first: silent, malformed, another cut.
+        socks = [socket.create_connection(at) for _ in range(3)]
+        socks.append(_raw(at, PREFIX.pack(b"KJ", 1, CODE["HELLO"], 2, 0) + b"[]"))
+        other = Conn(socket.create_connection(at), name="the stage")
+        other.send("HELLO", {"stage": 0, "stages": 2, "cut": "another"})
+        head.send("TABLE", {"pages": hello["pages"], "next": None})
+        with pytest.raises(ProtocolError, match="it takes stage 0 of that cut, not stage 0 of "
+                                                "cut `another`"):
+            other.expect("ACTS")
+        stage.wait_for("refused a connection")
+        assert "joined" not in stage.text(), stage.text()
+        pred = Conn(socket.create_connection(at), name="the stage")
+        pred.send("HELLO", {"stage": 0, "stages": 2, "cut": hello["cut"]})
+        stage.wait_for("joined cut")
+        text = stage.text()
+        assert re.search(STAMP + "stage 1: joined cut", text), text
+        assert re.search(STAMP + r"stage 1: refused a connection: .*`\[\]` is not a JSON object",
+                         text), text
+        stage.p.send_signal(signal.SIGINT)  # Ctrl-C on a joined stage
+        assert _wait(stage, 20) == 130, stage.text()
+        assert stage.text().rstrip().endswith("interrupted")
+        _clean(stage.text())
+    finally:
+        for sock in socks:
+            sock.close()
+        stage.p.kill()
