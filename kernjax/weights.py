@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from kernjax import models
+from kernjax.xla import cache_dir
 
 SHARD_BYTES = 2 << 30
 
@@ -211,10 +212,6 @@ def write_tokenizer(out: Path, vocab: int) -> None:
     tmp = out / f"tokenizer.json.tmp{os.getpid()}"
     tmp.write_text(tok.to_str(pretty=True))
     tmp.replace(out / "tokenizer.json")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("KERNJAX_CACHE") or Path.home() / ".cache" / "kernjax")
 
 
 def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> Path:

@@ -25,11 +25,16 @@ import os
 from pathlib import Path
 
 
+def cache_dir() -> Path:
+    """kernjax's cache: `$KERNJAX_CACHE`, default `~/.cache/kernjax` (random checkpoints too)."""
+    return Path(os.environ.get("KERNJAX_CACHE") or Path.home() / ".cache" / "kernjax")
+
+
 def cache_root() -> Path:
-    """`$KERNJAX_XLA_CACHE`, else `xla/` in kernjax's cache (`$KERNJAX_CACHE`, `~/.cache/kernjax`)."""
+    """`$KERNJAX_XLA_CACHE`, else `xla/` in `cache_dir()`."""
     if os.environ.get("KERNJAX_XLA_CACHE"):
         return Path(os.environ["KERNJAX_XLA_CACHE"])
-    return Path(os.environ.get("KERNJAX_CACHE") or Path.home() / ".cache" / "kernjax") / "xla"
+    return cache_dir() / "xla"
 
 
 def autotune_dir() -> Path:

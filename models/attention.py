@@ -40,6 +40,28 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
         cuda=functools.partial(attention_pallas.chunk_attention, scale=scale))
 
 
+def exact(dtype):
+    """float32 products in full precision (a GPU takes float32 dots as TF32 otherwise); `None`
+    (the default) for bf16, whose products are exact on every backend."""
+    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
+
+
+def item_rows(positions, cu_seqlens, page_table, *, block: int, own_at):
+    """What every blockwise route needs of an item: the page table padded to whole key blocks,
+    each row's sequence (`own`, clamped for padding rows and indexed with `own_at` to broadcast
+    against the caller's score layout), which rows are real (`valid`) and how many key blocks the
+    item's longest row reaches (`needed`)."""
+    seqs, width = page_table.shape
+    per = block // PAGE
+    nb = -(-width // per)
+    table = jnp.pad(page_table, ((0, 0), (0, nb * per - width)))
+    seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(positions.shape[0]), side="right")
+    valid = seq < seqs
+    own = jnp.minimum(seq, seqs - 1)[own_at]
+    needed = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
+    return table, own, valid, needed
+
+
 def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: int = 128):
     """Online-softmax attention in plain JAX, `block` keys at a time, over the needed blocks only.
 
@@ -50,17 +72,13 @@ def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: 
     rows, heads, d = q.shape
     kvh = kv.shape[3]
     g = heads // kvh
-    seqs, width = page_table.shape
+    seqs = page_table.shape[0]
     per = block // PAGE
-    nb = -(-width // per)
-    table = jnp.pad(page_table, ((0, 0), (0, nb * per - width)))
-    seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
-    valid = seq < seqs
-    own = jnp.minimum(seq, seqs - 1)[None, None, :, None, None]
-    needed = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
+    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, block=block,
+                                          own_at=(None, None, slice(None), None, None))
     qg = q.reshape(rows, kvh, g, d)
     f32 = jnp.float32
-    prec = jax.lax.Precision.HIGHEST if q.dtype == f32 else None  # float32 not as TF32 on GPUs
+    prec = exact(q.dtype)
 
     def step(b, carry):
         m, l, acc = carry

@@ -43,17 +43,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-PAGE = 16
-NEG = -1e30  # a masked score: finite, so a row that has seen no key yet gets p = 0, not NaN
+from .attention import NEG, PAGE, exact, item_rows
 
 
 def softmax_scale(nope: int, rope: int) -> float:
     """`(nope + rope)^-1/2`: §3.2 step 5 (192^-1/2 for Kimi Linear's 128 + 64)."""
     return float(nope + rope) ** -0.5
-
-
-def _prec(dtype):
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def latent(c, norm_w, *, kv_lora: int, eps: float):
@@ -94,16 +89,12 @@ def attend(state, q_nope, q_pe, w_kv_b, positions, cu_seqlens, page_table, *, sc
     dtype = q_nope.dtype
     w_uk, w_uv = _split_w(w_kv_b.astype(dtype), heads, nope, kv_lora)
     vd = w_uv.shape[1]
-    seqs, width = page_table.shape
+    seqs = page_table.shape[0]
     per = block // PAGE
-    nb = -(-width // per)
-    table = jnp.pad(page_table, ((0, 0), (0, nb * per - width)))
-    seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
-    valid = seq < seqs
-    own = jnp.minimum(seq, seqs - 1)[None, :, None, None]
-    needed = (jnp.max(jnp.where(valid, positions, -1)) + block) // block
+    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, block=block,
+                                          own_at=(None, slice(None), None, None))
     f32 = jnp.float32
-    prec = _prec(dtype)
+    prec = exact(dtype)
     key0 = jnp.arange(block)
 
     def masked(b, s):

@@ -29,7 +29,7 @@ import numpy as np
 
 from kernjax.trace import Program, Slot, call, trace
 
-from .attention import chunk_attention
+from .attention import chunk_attention, exact
 
 PAGE = 16
 # Tensors a checkpoint may omit, and what is read instead: a tied output head is the embedding.
@@ -134,11 +134,6 @@ def _rms(x, w, eps):
 def _linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w, precision=exact(x.dtype))
 
-
-def exact(dtype):
-    """float32 products in full precision: a GPU would otherwise take float32 dots as TF32.
-    `None` (the default) for bf16, whose products are exact on every backend."""
-    return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,

@@ -20,17 +20,23 @@ from kernjax.stage import export_stage
 PAGE = attention.PAGE
 
 
-def paged(rng, lengths, chunks, *, kvh, heads, d, width, dtype, rows, seqs):
-    """A random paged state holding `lengths[i]` tokens of each sequence on shuffled pages, and the
-    item of each sequence's last `chunks[i]` rows (their keys are already in the pages)."""
+def lease(rng, lengths, chunks, *, width, rows, seqs):
+    """`(pages, item)`: sequences of `lengths[i]` tokens on shuffled pages (two spare pages stay
+    unused, page 0 is never leased) and the item of each sequence's last `chunks[i]` rows."""
     need = [-(-n // PAGE) for n in lengths]
-    ids = rng.permutation(np.arange(1, sum(need) + 3))  # two spare pages stay unused
-    kv = rng.standard_normal((len(ids) + 1, PAGE, 2, kvh, d)).astype(np.float32)
+    ids = rng.permutation(np.arange(1, sum(need) + 3))
     pieces, at = [], 0
     for n, c, k in zip(lengths, chunks, need):
         pieces.append(Piece(np.zeros(c, np.int32), n - c, tuple(int(i) for i in ids[at:at + k])))
         at += k
-    item = make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, PAGE))
+    return len(ids) + 1, make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, PAGE))
+
+
+def paged(rng, lengths, chunks, *, kvh, heads, d, width, dtype, rows, seqs):
+    """A random paged state holding `lengths[i]` tokens of each sequence on shuffled pages, and the
+    item of each sequence's last `chunks[i]` rows (their keys are already in the pages)."""
+    pages, item = lease(rng, lengths, chunks, width=width, rows=rows, seqs=seqs)
+    kv = rng.standard_normal((pages, PAGE, 2, kvh, d)).astype(np.float32)
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return (cast(kv), cast(q), jnp.asarray(item["positions"]), jnp.asarray(item["cu_seqlens"]),

@@ -14,6 +14,7 @@ import pytest
 
 from kernjax.item import Piece, Shape, make_item
 from kernjax.models import mla
+from tests.test_attention import lease
 
 PAGE = mla.PAGE
 H, LORA, NOPE, ROPE, V = 4, 64, 32, 16, 32
@@ -23,14 +24,8 @@ SCALE = mla.softmax_scale(NOPE, ROPE)
 def paged(rng, lengths, chunks, *, width, dtype, rows, seqs):
     """A random latent state holding `lengths[i]` tokens of each sequence on shuffled pages (two
     spare pages unused), and the item of each sequence's last `chunks[i]` rows."""
-    need = [-(-n // PAGE) for n in lengths]
-    ids = rng.permutation(np.arange(1, sum(need) + 3))
-    state = rng.standard_normal((len(ids) + 1, PAGE, LORA + ROPE)).astype(np.float32)
-    pieces, at = [], 0
-    for n, c, k in zip(lengths, chunks, need):
-        pieces.append(Piece(np.zeros(c, np.int32), n - c, tuple(int(i) for i in ids[at:at + k])))
-        at += k
-    item = make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, PAGE))
+    pages, item = lease(rng, lengths, chunks, width=width, rows=rows, seqs=seqs)
+    state = rng.standard_normal((pages, PAGE, LORA + ROPE)).astype(np.float32)
     q_nope = rng.standard_normal((rows, H, NOPE)).astype(np.float32)
     q_pe = rng.standard_normal((rows, H, ROPE)).astype(np.float32)
     w = (rng.standard_normal((H * (NOPE + V), LORA)) / np.sqrt(LORA)).astype(np.float32)
