@@ -1,4 +1,6 @@
-"""Times the Pallas chunked-prefill attention kernel (`models/attention_pallas.py`) on a GPU.
+"""Times the chunked-prefill attention kernels on a GPU: the Mosaic GPU kernel
+(`models/attention_hopper.py`, the route for bf16) and the Pallas Triton one
+(`models/attention_pallas.py`, the route for float32).
 
 One sequence per item: a chunk of C query rows at positions K-C .. K-1, so it attends over K keys
 (H=32, KV=8, D=128, bf16, shuffled pages). FLOPs are 4 * H * D per causal (query, key) pair,
@@ -7,9 +9,9 @@ reference (rel. error < 1e-2, no NaN, run-to-run bitwise equal); then each timin
 over --reps of the mean of --inner back-to-back calls, rotating between --sets input sets (so
 the keys and values are not all in L2). Prints a table; --out writes it as JSON.
 
-    python experiments/attention.py                      # the default config
+    python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
-    python experiments/attention.py --interpret --small  # CPU smoke test (Pallas interpret mode)
+    python experiments/attention.py --kernel triton --interpret --small  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -24,18 +26,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax.models.attention_pallas import chunk_attention
+from kernjax.models import attention_hopper, attention_pallas
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
 PAGE = 16
 CASES = [(512, 1024), (512, 8192), (2048, 8192), (512, 32768), (8192, 8192)]
 SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
-# (block_q, block_k, num_warps, num_stages); the first is the kernel's default.
-# For H/KV = 4 the tile is 4 * block_q tall: 128 x 128 with 8 warps is the usual Hopper choice.
-CONFIGS = [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
-           (16, 128, 4, 3), (64, 64, 8, 3), (64, 64, 16, 3), (32, 64, 16, 3)]
-SMALL_CONFIGS = [(8, 16, 4, 3), (16, 32, 4, 2)]
+# Per kernel, its configs; the first is the kernel's default.
+# hopper: (block_q per compute warpgroup, block_kv, steps of keys/values in shared memory).
+# triton: (block_q, block_k, num_warps, num_stages); for H/KV = 4 the tile is 4 * block_q tall.
+CONFIGS = {
+    "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
+    "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
+               (64, 64, 8, 3)],
+}
+SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)]}
+NAMES = {"hopper": ("block_q", "block_kv", "steps"),
+         "triton": ("block_q", "block_k", "num_warps", "num_stages")}
+
+
+def kernel_fn(kernel, config, scale, interpret):
+    kw = dict(zip(NAMES[kernel], config))
+    if kernel == "hopper":
+        if interpret:
+            from jax.experimental.pallas import mosaic_gpu as plgpu
+            kw["interpret"] = plgpu.InterpretGPUParams()
+        return jax.jit(lambda *x: attention_hopper.chunk_attention(*x, scale=scale, **kw))
+    return jax.jit(lambda *x: attention_pallas.chunk_attention(
+        *x, scale=scale, interpret=interpret, **kw))
 
 
 def make_set(key, c, k, heads, kv_heads, d, dtype):
@@ -60,43 +79,44 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
     keys = kv[page_table[0, j // PAGE], j % PAGE].astype(jnp.float32)
     kk, vv = jnp.repeat(keys[:, 0], g, axis=1), jnp.repeat(keys[:, 1], g, axis=1)
 
-    @jax.jit
-    def step(qs, pos):
+    @jax.jit  # keys and values as arguments: as constants XLA would fold them, slowly
+    def step(qs, pos, kk, vv):
         s = jnp.einsum("rhd,nhd->hrn", qs.astype(jnp.float32), kk,
                        precision=jax.lax.Precision.HIGHEST) * scale
         s = jnp.where(j[None, None, :] <= pos[None, :, None], s, -jnp.inf)
         return jnp.einsum("hrn,nhd->rhd", jax.nn.softmax(s, axis=-1), vv,
                           precision=jax.lax.Precision.HIGHEST)
 
-    outs = [step(q[a:a + rows_per_step], positions[a:a + rows_per_step])
+    outs = [step(q[a:a + rows_per_step], positions[a:a + rows_per_step], kk, vv)
             for a in range(0, q.shape[0], rows_per_step)]
     return jnp.concatenate(outs)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", action="store_true", help="time every config in CONFIGS")
-    ap.add_argument("--config", default=None, help="one config: block_q,block_k,warps,stages")
+    ap.add_argument("--kernel", default="hopper,triton", help="hopper, triton or both")
+    ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
+    ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2 (one kernel)")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--inner", type=int, default=5, help="calls per timed rep")
     ap.add_argument("--sets", type=int, default=3, help="input sets to rotate between")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
-    ap.add_argument("--small", action="store_true", help="tiny shapes (H=4, KV=2, D=32)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes (H=4, KV=2, D=64)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     a = ap.parse_args()
 
-    heads, kv_heads, d = (4, 2, 32) if a.small else (32, 8, 128)
+    heads, kv_heads, d = (4, 2, 64) if a.small else (32, 8, 128)
     dtype = jnp.bfloat16
     scale = d ** -0.5
     cases = CASES if not a.small else SMALL_CASES
     if a.cases:
         cases = [tuple(int(x) for x in p.split(":")) for p in a.cases.split(",")]
-    configs = SMALL_CONFIGS if a.small else CONFIGS
+    kernels = a.kernel.split(",")
+    table = SMALL_CONFIGS if a.small else CONFIGS
+    configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.config:
-        configs = [tuple(int(x) for x in a.config.split(","))]
-    elif not a.sweep:
-        configs = configs[:1]
+        configs = [(kernels[0], tuple(int(x) for x in a.config.split(",")))]
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
@@ -109,11 +129,10 @@ def main():
         sets = [make_set(jax.random.key(i), c, k, heads, kv_heads, d, dtype)
                 for i in range(a.sets)]
         ref = reference(*sets[0], scale)
-        for bq, bk, nw, ns in configs:
-            fn = jax.jit(lambda *x, bq=bq, bk=bk, nw=nw, ns=ns: chunk_attention(
-                *x, scale=scale, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns,
-                interpret=a.interpret))
-            row = dict(C=c, K=k, block_q=bq, block_k=bk, num_warps=nw, num_stages=ns)
+        for kn, config in configs:
+            fn = kernel_fn(kn, config, scale, a.interpret)
+            name = f"{kn} {','.join(map(str, config))}"
+            row = dict(C=c, K=k, kernel=kn, **dict(zip(NAMES[kn], config)))
             try:
                 out = fn(*sets[0])
                 again = fn(*sets[0])
@@ -122,14 +141,14 @@ def main():
                 nan = bool(jnp.isnan(o32).any())
                 same = bool(jnp.all(out.view(jnp.uint16) == again.view(jnp.uint16)))
             except Exception as e:  # a config that does not compile is reported, not fatal
-                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-                print(f"C={c} K={k} {bq},{bk},{nw},{ns}: {row['error']}", flush=True)
+                row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
+                print(f"C={c} K={k} {name}: {row['error']}", flush=True)
                 results.append(row)
                 continue
             row.update(rel_err=err, nan=nan, bitwise_rerun=same)
             if err > 1e-2 or nan or not same:
                 row.update(error="wrong result")
-                print(f"C={c} K={k} {bq},{bk},{nw},{ns}: WRONG rel_err={err:.2e} nan={nan} "
+                print(f"C={c} K={k} {name}: WRONG rel_err={err:.2e} nan={nan} "
                       f"rerun_same={same}", flush=True)
                 results.append(row)
                 continue
@@ -142,17 +161,17 @@ def main():
                 jax.block_until_ready(outs)
                 times.append((time.perf_counter() - t) / a.inner)
             ms = statistics.median(times) * 1e3
-            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, config=name)
             results.append(row)
-            print(f"C={c:5d} K={k:6d} bq={bq:3d} bk={bk:3d} w={nw:2d} s={ns}: {ms:8.3f} ms "
-                  f"{row['tflops']:7.1f} TFLOP/s  rel_err {err:.1e}", flush=True)
+            print(f"C={c:5d} K={k:6d} {name:18s}: {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
+                  f"rel_err {err:.1e}", flush=True)
 
-    print("\n|     C |      K | block_q | block_k | warps | stages |       ms | TFLOP/s |")
-    print("|------:|-------:|--------:|--------:|------:|-------:|---------:|--------:|")
+    print("\n|     C |      K | kernel, config     |       ms | TFLOP/s |")
+    print("|------:|-------:|:-------------------|---------:|--------:|")
     for r in results:
+        name = f"{r['kernel']} " + ",".join(str(r[n]) for n in NAMES[r["kernel"]])
         t = f"{r['ms']:8.3f} | {r['tflops']:7.1f}" if "ms" in r else f"{'-':>8} | {'error':>7}"
-        print(f"| {r['C']:5d} | {r['K']:6d} | {r['block_q']:7d} | {r['block_k']:7d} | "
-              f"{r['num_warps']:5d} | {r['num_stages']:6d} | {t} |")
+        print(f"| {r['C']:5d} | {r['K']:6d} | {name:18s} | {t} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, heads=heads, kv_heads=kv_heads,

@@ -42,9 +42,11 @@ for step in "$@"; do
   case $step in
   tests)
     log "tests on the GPU"
-    python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention.py tests/test_cut.py \
+    timeout "${TEST_SECONDS:-900}" python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
       tests/test_processes.py tests/test_ffi.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say ;;
+    rc=$?
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
+    [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \

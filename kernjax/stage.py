@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 from pathlib import Path
@@ -28,8 +29,10 @@ from kernjax.trace import Slot, as_function
 FORMAT = 1
 PROGRAM = "program.jaxexport"
 # Custom calls jax.export refuses by default because their encoding may change between releases
-# (Pallas' Triton kernels). An artifact is read only by the jax version that wrote it, so they are safe.
-UNSTABLE = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+# (Pallas' Triton and Mosaic GPU kernels). An artifact is read only by the jax version that wrote
+# it, so they are safe.
+UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
+            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
 
 
 class ArtifactError(ValueError):
@@ -159,6 +162,10 @@ def read(path: str | os.PathLike) -> Artifact:
         raise ArtifactError(f"`{path}` was exported for `{m['program']['platform']}`; this process "
                             f"runs on `{export.default_export_platform()}`: re-run `kernjax.cut` here")
     blob = (path / m["program"]["file"]).read_bytes()
+    if m["program"]["platform"] == "cuda":
+        # A Mosaic GPU kernel's host code links against a runtime library that this import
+        # points XLA at; a program read back from disk, never traced here, needs it all the same.
+        importlib.import_module("jax.experimental.mosaic.gpu")
     if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
         raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
                             "manifest; the artifact was changed or half-written: re-run `kernjax.cut`")

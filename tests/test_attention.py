@@ -4,6 +4,8 @@ rows have the same bits alone and packed with others, in the op and through a wh
 
 from __future__ import annotations
 
+import dataclasses
+
 import functools
 
 import jax
@@ -85,9 +87,12 @@ def test_blockwise_is_batch_invariant():
     assert alone[: b - a].tobytes() == packed[a:b].tobytes()
 
 
-def test_a_prompt_alone_and_packed_gives_the_same_logits():
-    """Through the whole qwen3-tiny program (bf16, 4 sequences an item), two chunks each."""
+@pytest.mark.parametrize("head_dim", [32, 64])
+def test_a_prompt_alone_and_packed_gives_the_same_logits(head_dim):
+    """Through the whole qwen3-tiny program (bf16, 4 sequences an item), two chunks each. On a
+    GPU, head_dim 32 takes the Triton kernel, 64 the Mosaic GPU one; on the CPU, blockwise."""
     fam, cfg = models.named("qwen3-tiny")
+    cfg = dataclasses.replace(cfg, head_dim=head_dim)
     program = fam.program(cfg, dtype="bfloat16", rows=64, seqs=4, context=256)
     shape = item_shape(program, fam.PAGE)
     donate = tuple(i for i, s in enumerate(program.inputs) if s.role == "state")

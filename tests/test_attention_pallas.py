@@ -2,7 +2,8 @@
 
 On the CPU the kernel runs in Pallas interpret mode on small shapes (small D and blocks, so that
 several q tiles and key blocks run); the lowering test checks that it lowers to a Triton call for
-an H200 without one. The `gpu` tests run the real kernel at Qwen3-4B shapes on a GPU only.
+an H200 without one. The `gpu` tests run the real kernel at Qwen3-4B shapes on a GPU only, and
+the same tests for the Mosaic GPU kernel (`models/attention_hopper.py`, the bf16 route).
 
 Every slot of every page that holds no key of a sequence's context is NaN (page 0 included), so a
 read past the context shows up as NaN in the output.
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from kernjax.models import attention_hopper
 from kernjax.models.attention_pallas import chunk_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
@@ -219,9 +221,14 @@ GPU_ITEMS = {
 }
 
 
+KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention}
+
+
 @gpu
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("name", list(GPU_ITEMS))
-def test_gpu_matches_reference(name):
+def test_gpu_matches_reference(name, kernel):
+    chunk_attention = KERNELS[kernel]
     pieces, rows = GPU_ITEMS[name]
     args = _gpu_item(len(name), pieces, rows)
     scale = 128 ** -0.5
@@ -235,8 +242,10 @@ def test_gpu_matches_reference(name):
 
 
 @gpu
-def test_gpu_batch_invariance():
+@pytest.mark.parametrize("kernel", list(KERNELS))
+def test_gpu_batch_invariance(kernel):
     """One sequence alone and packed among others (same rows, seqs, width): same bytes."""
+    chunk_attention = KERNELS[kernel]
     x = (3000, 300)
     rows, width = 1024, 256
     alone = _gpu_item(1, [x, (0, 0), (0, 0)], rows, width)

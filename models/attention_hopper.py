@@ -1,0 +1,344 @@
+"""Chunked-prefill attention over a paged KV state: a Mosaic GPU kernel for Hopper (H200).
+
+The same function as `models/attention_pallas.py` (the Triton kernel, kept for float32 and for
+head dims that are not a multiple of 64), shaped like FlashAttention-3: tensor-core products
+issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
+moves memory and two that compute, taking turns on the tensor cores.
+
+Work split. A CTA takes `2 * block_q` consecutive rows of one sequence (a *tile*) for one query
+head; compute warpgroup w owns rows `w * block_q ..` of the tile. Tiles are found by walking
+`cu_seqlens` (a static loop of scalar loads), taken from the end so the longest start first; the
+padding rows past `cu_seqlens[seqs]` form one more segment whose tiles write zeros. The grid has
+`rows // (2 * block_q) + seqs + 1` tile slots, enough for any `cu_seqlens`; unused ones exit.
+
+Keys. Step t covers keys `t * block_kv ..` of the sequence, aligned to key 0, in increasing
+order, up to the block holding the tile's last position. The memory warpgroup copies each of
+the block's pages (16 keys) from `kv[page, :, 0|1, kv_head]` to its rows of a shared-memory slot
+(one TMA per page, all arriving on the slot's barrier) and refills a slot once both compute
+warpgroups have released it. Page ids past the page table are clamped; the keys they bring are
+past every row's position.
+
+Exactness. A row's online softmax (float32, base 2) sees the blocks 0 .. its own last in order; a
+block where every key is visible takes the unmasked path, the rest mask score by score (the same
+bits either way for a visible key). A block wholly past a row's position is an exact no-op for it
+(scores -inf: the maximum stays, alpha = 1, p = 0), and its warpgroup may run a few such blocks
+when the other rows of its tile reach further: the result of a row depends only on its sequence
+and its position, never on what else the item holds or where in a tile the row falls. For p = 0
+to add exactly nothing, the values it meets must be finite: on its last step the CTA zeroes the
+rows of the value block past its last position (a page's unused slots, pages past the context),
+so stale pages may hold anything, NaN included. No split-K, no atomics: the same bits run after
+run.
+
+Requirements: bf16 or f16; D a multiple of 64 (at most 256); the rows of one sequence at
+consecutive positions (as every prefill chunk has them): row `cu_seqlens[s] + i` at
+`positions[cu_seqlens[s]] + i`.
+
+Without a GPU: it lowers (Mosaic GPU's layout inference included) under an abstract H200 mesh,
+as the Triton kernel does (`attention_pallas.py`), and runs in Mosaic GPU's interpreter (`interpret`;
+`tests/test_attention_hopper.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+PAGE = 16
+
+
+def supports(q_dtype, head_dim: int) -> bool:
+    """Whether this kernel takes the shape; the Triton kernel takes the rest."""
+    return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
+        head_dim % 64 == 0 and head_dim <= 256
+
+
+def _segment(cu_ref, j, *, seqs, rows, tile):
+    """(segment, first row, end row) of tile slot j counted from the end of the list of every
+    segment's tiles; segment `seqs` is the padding, `seqs + 1` means no tile."""
+    s, r0, end, first = (jnp.int32(v) for v in (seqs + 1, 0, 0, 0))
+    for seg in range(seqs + 1):
+        a = cu_ref[seg]
+        b = cu_ref[seg + 1] if seg < seqs else jnp.int32(rows)
+        n = lax.div(b - a + (tile - 1), jnp.int32(tile))
+        hit = (j >= first) & (j < first + n)
+        s = lax.select(hit, jnp.int32(seg), s)
+        r0 = lax.select(hit, a + (j - first) * tile, r0)
+        end = lax.select(hit, b, end)
+        first = first + n
+    return s, r0, end
+
+
+def _store_rows(src, dst, head, start, n, block_q):
+    """Copies rows 0 .. n-1 of `src` (SMEM) to rows start .. start+n-1 of `dst[:, head]` (GMEM),
+    exactly: one TMA per set bit of n, since a TMA's row count is static."""
+    off = 0
+    size = block_q
+    while size:
+        bit = n & size
+
+        @pl.when(bit != 0)
+        def _copy(off=off, size=size):
+            plgpu.copy_smem_to_gmem(src.at[pl.ds(off, size)], dst.at[pl.ds(start + off, size), head])
+
+        off = off + bit
+        size //= 2
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
+            groups, slots, scale, block_q, block_kv, steps, interpret):
+    (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
+    dtype = q_ref.dtype
+    d = q_ref.shape[-1]
+    head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    j = jnp.int32(slots - 1) - lax.axis_index("tiles")
+    s, r0, end = _segment(cu_ref, j, seqs=seqs, rows=rows, tile=2 * block_q)
+    n_cta = jnp.minimum(end - r0, jnp.int32(2 * block_q))
+    per_block = block_kv // PAGE
+
+    def take_turn():
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
+
+    def own_rows():
+        rw = r0 + wg * block_q
+        return rw, jnp.clip(end - rw, 0, block_q)
+
+    @pl.when(s == seqs)
+    def _padding():
+        @pl.when(wg < 2)
+        def _zeros():
+            out = out2.at[wg]
+            rw, n = own_rows()
+            out[...] = plgpu.layout_cast(jnp.zeros((block_q, d), dtype), plgpu.Layout.WGMMA)
+            plgpu.commit_smem()
+            _store_rows(out, o_ref, head, rw, n, block_q)
+
+    @pl.when(s < seqs)
+    def _attend():
+        pos0 = pos_ref[r0]
+        hi = pos0 + n_cta - 1  # the tile's last position
+        cta_steps = lax.div(hi, jnp.int32(block_kv)) + 1
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            qo = qo2.at[wg]
+            rw, n = own_rows()
+            pw = pos0 + wg * block_q  # position of the warpgroup's first row
+            kv_steps = lax.select(n > 0, lax.div(pw + n - 1, jnp.int32(block_kv)) + 1,
+                                  jnp.int32(0))
+            n_full = jnp.minimum(lax.div(pw + 1, jnp.int32(block_kv)), kv_steps)
+            c = scale * math.log2(math.e)
+
+            @pl.when(n > 0)
+            def _load_q():
+                # Through the untiled buffer: a TMA into a tiled one needs a row start that is
+                # a multiple of 8, and a sequence's rows start anywhere.
+                staged = out2.at[wg]
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(rw, block_q), head], staged,
+                                        q_ready.at[wg])
+                plgpu.barrier_wait(q_ready.at[wg])
+                qo[...] = plgpu.load(staged, layout=plgpu.Layout.WGMMA)
+                plgpu.commit_smem()
+
+            m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(kv_steps > 0)
+            def _first_keys():
+                plgpu.barrier_wait(k_ready.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def _next_keys_when(t):
+                @pl.when(t + 1 < kv_steps)
+                def _next_keys():
+                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(steps))])
+
+            def step(t, carry, masked):
+                acc, m, l = carry
+                slot = lax.rem(t, jnp.int32(steps))
+
+                def scores(ref):
+                    plgpu.wgmma(ref, qo, k_smem.at[slot].transpose((1, 0)))
+                    take_turn()
+                    return ref[...]
+
+                qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[slot])
+                if masked:
+                    qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
+                                                layout=plgpu.Layout.WGMMA)
+                    ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
+                                                layout=plgpu.Layout.WGMMA)
+                    qk = jnp.where(qi + pw >= ki + t * block_kv, qk, -jnp.inf)
+                m_new = jnp.maximum(m, qk.max(axis=1) * c)
+                alpha = jnp.exp2(m - m_new)
+                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                l = l * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                plgpu.barrier_arrive(turn)
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_wait(turn)
+                if masked:
+                    last = t == cta_steps - 1
+                    tail = lax.rem(hi + 1, jnp.int32(block_kv)) != 0
+
+                    @pl.when(last & tail)
+                    def _zero_values_past_the_tile():
+                        for half in range(block_kv // 64):
+                            ref = v_smem.at[slot, pl.ds(half * 64, 64)]
+                            ki = plgpu.broadcasted_iota(jnp.int32, (64, d), 0,
+                                                        layout=plgpu.Layout.WGMMA)
+                            v = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+                            ref[...] = jnp.where(ki + (t * block_kv + half * 64) <= hi, v,
+                                                 jnp.zeros_like(v))
+                        plgpu.commit_smem()
+
+                def values(ref):
+                    plgpu.wgmma(ref, p16, v_smem.at[slot])
+                    _next_keys_when(t)
+
+                if interpret:  # the interpreter has neither run_state nor a wgmma from
+                    # registers: P through shared memory, and the same sum, not fused
+                    p_smem = scoped[-1].at[wg]
+                    p_smem[...] = p16
+                    plgpu.commit_smem()
+
+                    def values_from_smem(ref):
+                        plgpu.wgmma(ref, p_smem, v_smem.at[slot])
+                        _next_keys_when(t)
+                        return ref[...]
+
+                    acc = acc + pl.run_scoped(values_from_smem,
+                                              plgpu.ACC((block_q, d), jnp.float32))
+                else:
+                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l
+
+            def drain(t, _):  # steps this warpgroup's rows do not need: release them
+                slot = lax.rem(t, jnp.int32(steps))
+                plgpu.barrier_wait(k_ready.at[slot])  # (every phase of a barrier waited on
+                plgpu.barrier_wait(v_ready.at[slot])  # is observed: the interpreter checks it)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
+                take_turn()
+
+            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m, l))
+            acc, m, l = lax.fori_loop(n_full, kv_steps, functools.partial(step, masked=True),
+                                      carry)
+            lax.fori_loop(kv_steps, cta_steps, drain, None)
+            pl.when(wg == 0)(take_turn)
+            acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
+            out = out2.at[wg]
+            out[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            _store_rows(out, o_ref, head, rw, n, block_q)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(groups))
+
+            def copy(t, slot, which, smem, ready):
+                for i in range(per_block):
+                    g = jnp.minimum(t * per_block + i, width - 1)
+                    page = jnp.clip(pt_ref[s * width + g], 0, pages - 1)
+                    plgpu.copy_gmem_to_smem(kv_ref.at[page, :, which, kv_head],
+                                            smem.at[slot, pl.ds(i * PAGE, PAGE)], ready.at[slot])
+
+            for t in range(steps):
+                @pl.when(t < cta_steps)
+                def _fill(t=t):
+                    copy(jnp.int32(t), t, 0, k_smem, k_ready)
+                    copy(jnp.int32(t), t, 1, v_smem, v_ready)
+
+            @pl.loop(jnp.int32(0), cta_steps - steps)
+            def _refill(t):
+                slot = lax.rem(t, jnp.int32(steps))
+                plgpu.barrier_wait(k_free.at[slot])
+                copy(t + steps, slot, 0, k_smem, k_ready)
+                plgpu.barrier_wait(v_free.at[slot])
+                copy(t + steps, slot, 1, v_smem, v_ready)
+
+            @pl.loop(jnp.maximum(cta_steps - steps, 0), cta_steps)
+            def _last_releases(t):
+                slot = lax.rem(t, jnp.int32(steps))
+                plgpu.barrier_wait(k_free.at[slot])
+                plgpu.barrier_wait(v_free.at[slot])
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret"))
+def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
+                    block_q: int = 64, block_kv: int = 128, steps: int = 2,
+                    interpret=False) -> jax.Array:
+    """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
+
+    kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
+    or f16); positions: int32 `[rows]`; cu_seqlens: int32 `[seqs + 1]`; page_table: int32
+    `[seqs, width]`; scale: the softmax scale (static).
+
+    block_q: rows per compute warpgroup (a multiple of 64: wgmma's M); a CTA takes 2 * block_q.
+    block_kv: keys per step (a multiple of 64). steps: key/value slots in shared memory.
+    interpret: Mosaic GPU's interpreter (CPU tests; `True` or its `InterpretGPUParams`).
+    Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
+    """
+    pages, page, two, kv_heads, d = kv.shape
+    rows, heads, dq = q.shape
+    seqs, width = page_table.shape
+    if page != PAGE or two != 2 or dq != d or heads % kv_heads or kv.dtype != q.dtype:
+        raise ValueError(f"bad shapes: kv {kv.shape} {kv.dtype}, q {q.shape} {q.dtype}")
+    if not supports(q.dtype, d):
+        raise ValueError(f"the Hopper kernel takes bf16/f16 and head_dim % 64 == 0, not "
+                         f"{q.dtype}, {d}")
+    if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
+        raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
+    if block_q % 64 or block_kv % 64 or steps < 2:
+        raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
+                         f"steps {steps} at least 2")
+    slots = rows // (2 * block_q) + seqs + 1
+    kernel = functools.partial(
+        _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
+        slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
+        interpret=bool(interpret))
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+    scratch = (
+        (plgpu.SMEM((2, block_q, d), q.dtype, transforms=swizzled),
+         plgpu.SMEM((2, block_q, d), q.dtype),
+         plgpu.SMEM((steps, block_kv, d), q.dtype, transforms=swizzled),
+         plgpu.SMEM((steps, block_kv, d), q.dtype, transforms=swizzled)),
+        (plgpu.Barrier(num_arrivals=block_kv // PAGE, num_barriers=steps),
+         plgpu.Barrier(num_arrivals=block_kv // PAGE, num_barriers=steps),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+    ) + ((plgpu.SMEM((2, block_q, block_kv), q.dtype, transforms=swizzled),) if interpret else ())
+
+    return plgpu.kernel(
+        lambda *refs: kernel(*refs[:6], refs[6:]),
+        scratch_types=scratch,
+        out_type=jax.ShapeDtypeStruct((rows, heads, d), q.dtype),
+        grid=(heads, slots),
+        grid_names=("heads", "tiles"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )(cu_seqlens.astype(jnp.int32), positions.astype(jnp.int32),
+      page_table.astype(jnp.int32).reshape(-1), q, kv)

@@ -1,0 +1,106 @@
+"""`models.attention_hopper.chunk_attention` (Mosaic GPU) on the CPU, in Mosaic GPU's interpreter.
+
+The interpreter runs the three warpgroups as threads, simulates the TMA, the barriers and shared
+memory, and with `detect_races` checks every shared-memory access for a missing happens-before.
+It has no `run_state` and no wgmma with its left operand in registers, so the P @ V product goes
+through shared memory there (the kernel's `interpret` branch); everything else is the kernel's
+code. The GPU tests (`tests/test_attention_pallas.py`, `gpu`) run both kernels at Qwen3-4B shapes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from kernjax.models import attention_hopper
+
+from .test_attention_pallas import check, make_item, reference
+
+INTERPRET = plgpu.InterpretGPUParams(detect_races=True)
+# The interpreter's callbacks hung on the H200 (2026-11-30): its tests are for the CPU, the GPU
+# runs the kernel itself.
+cpu = pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter runs on the CPU")
+
+
+def run(args, **kw):
+    """The kernel in the interpreter; fails if the race detector saw a race."""
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+
+    out = attention_hopper.chunk_attention(*args, scale=args[1].shape[-1] ** -0.5,
+                                           interpret=INTERPRET, **kw)
+    out.block_until_ready()
+    assert not ipc.get_races().races_found, "the race detector found a race (printed above)"
+    return out
+
+
+# (pieces, rows, block_kv): several tiles per sequence, several key steps (refilled slots),
+# partial last pages and tiles, an empty sequence, padding rows.
+CASES = {
+    "packed": ([(70, 5), (0, 100), (130, 20), (0, 0)], 160, 64),
+    "refills-block128": ([(300, 129), (16, 1)], 136, 128),
+}
+
+
+@cpu
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference(case):
+    pieces, rows, block_kv = CASES[case]
+    args = make_item(np.random.default_rng(len(case)), pieces, rows=rows, heads=4, kv_heads=2,
+                     d=64, dtype=jnp.bfloat16)
+    out = run(args, block_kv=block_kv)
+    assert out.shape == (rows, 4, 64) and out.dtype == jnp.bfloat16
+    ref = reference(args[0].astype(jnp.float32), args[1].astype(jnp.float32), *args[2:],
+                    64 ** -0.5)
+    check(out, ref, args[3], 1e-2)
+
+
+@cpu
+def test_batch_invariance():
+    """A sequence alone, then packed after others (its rows in a different place within a tile,
+    its tile meeting a longer one), in the same shapes: its rows are byte-identical."""
+    rows, width = 192, 16
+    x = (90, 70)
+    outs = []
+    for pieces in ([x, (0, 0)], [(10, 33), x]):
+        rng = np.random.default_rng(3)
+        kv1, q1, pos1, _, pt1 = map(np.asarray, make_item(
+            rng, [x], rows=rows, heads=4, kv_heads=2, d=64, dtype=jnp.bfloat16, width=width))
+        kv, q, pos, cu, pt = map(np.array, make_item(
+            np.random.default_rng(len(outs)), pieces, rows=rows, heads=4, kv_heads=2, d=64,
+            dtype=jnp.bfloat16, width=width))
+        s = pieces.index(x)
+        base = kv.shape[0]
+        kv = np.concatenate([kv, kv1[1:]])
+        pt[s] = np.where(pt1[0] > 0, pt1[0] + base - 1, 0)
+        r = slice(int(cu[s]), int(cu[s + 1]))
+        q[r], pos[r] = q1[:x[1]], pos1[:x[1]]
+        out = run(tuple(map(jnp.asarray, (kv, q, pos, cu, pt))), block_kv=64)
+        outs.append(np.asarray(out)[r])
+    assert outs[0].tobytes() == outs[1].tobytes()
+
+
+def test_lowers_to_mosaic_gpu():
+    """The kernel lowers for an H200 on any machine (Mosaic GPU's own layout inference runs
+    here); its custom call is `mosaic_gpu_v2`."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+    S = jax.ShapeDtypeStruct
+    args = (S((257, 16, 2, 8, 128), jnp.bfloat16), S((512, 32, 128), jnp.bfloat16),
+            S((512,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
+    fn = jax.jit(lambda *a: attention_hopper.chunk_attention(*a, scale=128 ** -0.5))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+def test_rejects_what_it_cannot_run():
+    S = jax.ShapeDtypeStruct
+    kv, q = S((9, 16, 2, 2, 32), jnp.bfloat16), S((16, 4, 32), jnp.bfloat16)
+    small = (S((16,), jnp.int32), S((2,), jnp.int32), S((1, 4), jnp.int32))
+    assert not attention_hopper.supports(jnp.float32, 128)
+    assert not attention_hopper.supports(jnp.bfloat16, 32)
+    with pytest.raises(ValueError, match="head_dim"):
+        jax.eval_shape(lambda *a: attention_hopper.chunk_attention(*a, scale=1.0), kv, q, *small)
