@@ -31,9 +31,11 @@ namespace py = pybind11;
 #define KERNJAX_JAX_VERSION "unknown"
 #endif
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCpu);  // mark.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCpu);          // mark.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCpu);  // mxfp4_shuffle.cc
 #ifdef KERNJAX_CUDA
-XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCuda);  // mark.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCuda);          // mark.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCuda);  // mxfp4_shuffle.cu
 #endif
 
 namespace {
@@ -105,9 +107,11 @@ PYBIND11_MODULE(_ffi, m) {
       []() {
         py::dict cpu;
         cpu["kj_mark"] = Encapsulate(KjMarkCpu);
+        cpu["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCpu);
         py::dict cuda;
 #ifdef KERNJAX_CUDA
         cuda["kj_mark"] = Encapsulate(KjMarkCuda);
+        cuda["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCuda);
 #endif
         py::dict out;
         out["cpu"] = cpu;

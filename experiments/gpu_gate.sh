@@ -5,10 +5,11 @@
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
+#   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
-#   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill
+#   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
@@ -43,7 +44,7 @@ for step in "$@"; do
   tests)
     log "tests on the GPU"
     timeout "${TEST_SECONDS:-900}" python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
+      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
@@ -71,6 +72,21 @@ for step in "$@"; do
           > "$OUT/logs/chain-$at-$c.log" 2>&1
         grep -vE "^loading weights" "$OUT/logs/chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/$at-$c"
+      done
+    done ;;
+  k3)
+    for c in $CHUNKS; do
+      python experiments/prompts.py --chunk "$c" --vocab 32768 > "$OUT/logs/k3prompts$c.txt"
+      for at in 4 2,6; do
+        log "chain k3-mini-gpu --at $at --chunk $c"
+        python -m kernjax.cut --model k3-mini-gpu --at "$at" --chunk "$c" --seqs 1 \
+          --out "cuts/k3-$at-$c" > "$OUT/logs/k3cut-$at-$c.txt" 2>&1 \
+          || { tail -5 "$OUT/logs/k3cut-$at-$c.txt" | say; continue; }
+        grep -E "^cut " "$OUT/logs/k3cut-$at-$c.txt" | say
+        python -m kernjax.chain --stages "cuts/k3-$at-$c" --prompts "$OUT/logs/k3prompts$c.txt" \
+          --chunk "$c" > "$OUT/logs/k3chain-$at-$c.log" 2>&1
+        grep -vE "^loading weights" "$OUT/logs/k3chain-$at-$c.log" | tail -8 | say
+        rm -rf "cuts/k3-$at-$c"
       done
     done ;;
   calls)

@@ -9,6 +9,7 @@ status 130. `--help` lists the flags the command defines.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import shutil
@@ -169,6 +170,8 @@ whole/ into DIR, replacing a previous cut there."""
     flags.DEFINE_integer("seqs", 4, "sequences one item may hold (packed prefill)")
     flags.DEFINE_integer("context", 4096, "the longest sequence, in tokens")
     flags.DEFINE_integer("pages", None, "pages per KV state (default: seqs full contexts + 1)")
+    flags.DEFINE_integer("slots", None, "sequence slots per per-sequence state, slot 0 never "
+                         "leased (models with recurrent states, k3-mini; default 4 * seqs + 1)")
     flags.mark_flags_as_required(["at", "out"])
 
     def main():
@@ -179,8 +182,19 @@ whole/ into DIR, replacing a previous cut there."""
         out = Path(FLAGS.out)
         old = previous_cut(out)
         t0 = time.time()
+        low = [f"--{n} {v} must be at least {lo}" for n, lo in
+               (("chunk", 1), ("seqs", 1), ("context", 1), ("pages", 2), ("slots", 2))
+               if (v := getattr(FLAGS, n)) is not None and v < lo]
+        if low:
+            raise ValueError("; ".join(low) + " (see --help)")
+        extra = {}
+        if FLAGS.slots is not None:
+            if "slots" not in inspect.signature(fam.program).parameters:
+                raise ValueError(f"--slots: {cfg.name} has no per-sequence states (its states "
+                                 "are paged: size them with --pages)")
+            extra["slots"] = FLAGS.slots
         program = fam.program(cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
-                              context=FLAGS.context, pages=FLAGS.pages)
+                              context=FLAGS.context, pages=FLAGS.pages, **extra)
         stages = cut(program, parse_at(FLAGS.at, program.calls))
         print(f"{cfg.name}, {dtype}, chunk {FLAGS.chunk}: {len(program.calls)} calls, traced in "
               f"{time.time() - t0:.1f} s")

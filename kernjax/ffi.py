@@ -27,7 +27,9 @@ stage has run without synchronizing. Slot memory comes from
 memory the GPU can write, as the CUDA handler needs) and goes back through
 `host_free`; a CPU-only run may also use any aligned numpy array.
 
-Later ops (hold, push, recv, FlashKDA, MXFP4 matmuls) slot in the same way:
+`mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
+`models/mxfp4.py: shuffle`; derive programs run it at load). Later ops (hold, push, recv,
+FlashKDA, MXFP4 matmuls) slot in the same way:
 handlers in csrc/, an entry in csrc/module.cc's registrations(), and a checked
 wrapper plus reference here.
 """
@@ -42,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
-           "mark_reference"]
+           "mark_reference", "mxfp4_shuffle"]
 
 _REBUILD = "rebuild it with `pip install --no-build-isolation -e .`"
 
@@ -164,6 +166,30 @@ def mark_reference(x, seq):
     """The JAX reference for `mark`: the identity on `x` (`seq` is checked)."""
     _check_seq(seq)
     return jnp.asarray(x)
+
+
+def mxfp4_shuffle(packed, scales, *, gated: bool = False):
+    """MXFP4 weights from the checkpoint layout into the GEMM layout (csrc/mxfp4_shuffle.*):
+    `(packed u8[..., M, K/2], scales u8[..., M, K/32])` -> `(packed u8[..., M, K/2] with rows
+    shuffled, scales u8[..., Mp*Kp] flat in the 128x4 swizzle)`; `gated` for a GEMM1 `[up; gate]`.
+    Bitwise `models/mxfp4.py: shuffle`, its JAX reference (byte gathers only)."""
+    packed, scales = jnp.asarray(packed), jnp.asarray(scales)
+    if packed.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
+        raise TypeError(f"mxfp4_shuffle: packed and scales are uint8, got {packed.dtype} and "
+                        f"{scales.dtype}")
+    if packed.ndim < 2 or scales.shape[:-1] != packed.shape[:-1] or \
+            packed.shape[-1] * 2 != scales.shape[-1] * 32:
+        raise ValueError(f"mxfp4_shuffle: packed [..., M, K/2] and scales [..., M, K/32] do not "
+                         f"match: {packed.shape}, {scales.shape}")
+    m, ks = packed.shape[-2], scales.shape[-1]
+    if m % (64 if gated else 32):
+        raise ValueError(f"mxfp4_shuffle: M = {m} must be a multiple of {64 if gated else 32}")
+    register()
+    flat = -(-m // 128) * 128 * (-(-ks // 4) * 4)
+    call = jax.ffi.ffi_call("kj_mxfp4_shuffle", (
+        jax.ShapeDtypeStruct(packed.shape, jnp.uint8),
+        jax.ShapeDtypeStruct((*packed.shape[:-2], flat), jnp.uint8)))
+    return call(packed, scales, gated=bool(gated))
 
 
 try:

@@ -9,6 +9,10 @@ and tables its own calls read. Pure: arrays in, arrays out.
   slots       [rows]     where a row's keys and values go: `page * page_size + offset`;
                          padding gets `pages * page_size`, one past the end, so it writes nothing
   cu_seqlens  [seqs+1]   row offsets of the pieces; unused sequences are empty
+  seq_slots   [seqs]     each sequence's slot in the per-sequence states (a recurrent state, a
+                         conv tail: `models/seqstate.py`); unused entries hold `slots`, one past
+                         the end, so they write nothing. A piece that starts at position 0 is a
+                         fresh sequence, whose slot the model starts from zeros.
   page_table  [seqs, w]  each sequence's pages in order; unused entries are page 0, never leased
 """
 
@@ -22,22 +26,26 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """Rows `start..start+len(tokens)` of one sequence, whose pages are `pages`."""
+    """Rows `start..start+len(tokens)` of one sequence, whose pages are `pages` and whose
+    per-sequence states are at `slot` (0 for a program without them)."""
 
     tokens: np.ndarray
     start: int
     pages: tuple[int, ...]
+    slot: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """What an item must fit: rows, sequences, page-table width, pages per state, page size."""
+    """What an item must fit: rows, sequences, page-table width, pages per paged state, page
+    size, and slots per per-sequence state (0: the program has none)."""
 
     rows: int
     seqs: int
     width: int
     pages: int
     page: int
+    slots: int = 0
 
     @property
     def context(self) -> int:
@@ -45,11 +53,13 @@ class Shape:
 
 
 def item_shape(program, page: int) -> Shape:
-    """The item shape a traced program takes, read off its fills, tables and states."""
+    """The item shape a traced program takes, read off its fills, tables and states (a model
+    lists its paged states before its per-sequence ones)."""
     by = {s.name: s for s in program.inputs}
     state = next((s for s in program.inputs if s.role == "state"), None)
     return Shape(rows=program.rows, seqs=by["cu_seqlens"].shape[0] - 1,
-                 width=by["page_table"].shape[1], pages=state.shape[0] if state else 0, page=page)
+                 width=by["page_table"].shape[1], pages=state.shape[0] if state else 0, page=page,
+                 slots=program.slots)
 
 
 def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
@@ -62,6 +72,7 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
     positions = np.zeros(rows, np.int32)
     slots = np.full(rows, shape.pages * shape.page, np.int32)
     cu = np.full(shape.seqs + 1, n, np.int32)
+    seq_slots = np.full(shape.seqs, shape.slots, np.int32)
     table = np.zeros((shape.seqs, shape.width), np.int32)
     at = 0
     for i, p in enumerate(pieces):
@@ -71,6 +82,9 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
                              f"{shape.context} tokens")
         if len(p.pages) * shape.page < end:
             raise ValueError(f"a sequence at position {end} has only {len(p.pages)} pages")
+        if shape.slots and not 1 <= p.slot < shape.slots:
+            raise ValueError(f"a sequence has state slot {p.slot}; the program's slots are 1 to "
+                             f"{shape.slots - 1}")
         pos = np.arange(p.start, end, dtype=np.int32)
         pages = np.asarray(p.pages, np.int32)
         cu[i] = at
@@ -78,9 +92,10 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
         positions[at:at + k] = pos
         slots[at:at + k] = pages[pos // shape.page] * shape.page + pos % shape.page
         table[i, :len(pages)] = pages
+        seq_slots[i] = p.slot if shape.slots else 0
         at += k
     return {"tokens": tokens, "positions": positions, "slots": slots, "cu_seqlens": cu,
-            "page_table": table}
+            "seq_slots": seq_slots, "page_table": table}
 
 
 def chunks(n: int, rows: int) -> list[tuple[int, int]]:

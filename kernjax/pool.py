@@ -19,6 +19,10 @@ the limit a prompt exceeds (its row, or the whole pool) and admission refuses th
 kern's `ExceedsRow` and `ExceedsPool` do. *Not now*: `lease` returns None and admission waits for
 a release, as kern's `Busy` does. Leasing a prompt that `fits` refuses is a caller bug and raises.
 
+A program with per-sequence states (`Shape.slots`, `models/seqstate.py`) also needs one state
+slot per sequence: a pool made with `slots` leases the lowest free slot (1..slots-1; slot 0 never
+is) with the pages, all or nothing, and takes it back with them.
+
 A `Lease` is a handle: `release` takes back the object `lease` returned, once. A second release,
 or a lease another pool made, raises rather than corrupt the free list. Pure: ints in, ints out;
 no devices, threads or clocks.
@@ -32,17 +36,20 @@ import heapq
 
 @dataclasses.dataclass(frozen=True)
 class Lease:
-    """Pages `pages` (ascending ids) held for a prompt of `tokens` tokens; `id` counts from 1."""
+    """Pages `pages` (ascending ids) and state slot `slot` (0 in a pool without slots) held for
+    a prompt of `tokens` tokens; `id` counts from 1."""
 
     id: int
     pages: tuple[int, ...]
     tokens: int
+    slot: int = 0
 
 
 class Pool:
-    """Pages `1..pages-1` of `page` tokens, leased to sequences of at most `width` pages."""
+    """Pages `1..pages-1` of `page` tokens, leased to sequences of at most `width` pages, and
+    with `slots`, one of the state slots `1..slots-1` a sequence."""
 
-    def __init__(self, pages: int, page: int, width: int):
+    def __init__(self, pages: int, page: int, width: int, slots: int = 0):
         errs = []
         if pages < 2:
             errs.append(f"a pool of {pages} pages has none to lease (page 0 is never leased); "
@@ -51,10 +58,15 @@ class Pool:
             errs.append(f"a page of {page} tokens holds nothing; give at least 1")
         if width < 1:
             errs.append(f"a page-table row of {width} pages holds no sequence; give at least 1")
+        if slots == 1:
+            errs.append("a program with per-sequence states needs at least 2 slots (slot 0 is "
+                        "never leased)")
         if errs:
             raise ValueError("pool cannot be made:\n" + "\n".join(f"  - {e}" for e in errs))
         self.pages, self.page, self.width = pages, page, width
         self._free = list(range(1, pages))  # ascending, hence already a min-heap
+        self.slots = slots
+        self._free_slots = list(range(1, slots))
         self._held: dict[int, Lease] = {}
         self._next = 1
 
@@ -95,9 +107,10 @@ class Pool:
             raise ValueError(f"cannot lease {tokens} tokens: {why}; refuse the prompt at "
                              "admission with `fits`")
         need = -(-tokens // self.page)
-        if need > len(self._free):
+        if need > len(self._free) or (self.slots and not self._free_slots):
             return None
-        got = Lease(self._next, tuple(heapq.heappop(self._free) for _ in range(need)), tokens)
+        slot = heapq.heappop(self._free_slots) if self.slots else 0
+        got = Lease(self._next, tuple(heapq.heappop(self._free) for _ in range(need)), tokens, slot)
         self._next += 1
         self._held[got.id] = got
         return got
@@ -118,3 +131,5 @@ class Pool:
         del self._held[lease.id]
         for p in lease.pages:
             heapq.heappush(self._free, p)
+        if lease.slot:
+            heapq.heappush(self._free_slots, lease.slot)

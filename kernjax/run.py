@@ -49,7 +49,7 @@ class Pipeline:
         pages = tuple(range(1, -(-len(tokens) // shape.page) + 1))
         toks = np.asarray(tokens, np.int32)
         for a, b in chunks(len(toks), chunk):
-            yield self.run(make_item([Piece(toks[a:b], a, pages)], shape))
+            yield self.run(make_item([Piece(toks[a:b], a, pages, 1 if shape.slots else 0)], shape))
 
 
 def check_prompt(tokens: Sequence[int], shape, chunk: int) -> None:
@@ -61,6 +61,9 @@ def check_prompt(tokens: Sequence[int], shape, chunk: int) -> None:
     if len(tokens) > shape.context:
         raise ValueError(f"the prompt has {len(tokens)} tokens; the program's context is "
                          f"{shape.context} (re-cut with a larger --context)")
+    if shape.slots == 1:
+        raise ValueError("the program's per-sequence states have no slot to lease (slot 0 never "
+                         "is); re-cut with more --slots")
     if -(-len(tokens) // shape.page) + 1 > shape.pages:
         raise ValueError(f"the prompt needs {counted(-(-len(tokens) // shape.page), 'page')}; "
                          f"the states hold {shape.pages - 1}")

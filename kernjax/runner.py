@@ -11,12 +11,14 @@ a cut reads the same autotuning choices (`kernjax/xla.py`).
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from kernjax import derive, models
 from kernjax import stage as artifacts
 from kernjax import weights as ckpts
 from kernjax import xla
@@ -47,10 +49,23 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
     fallbacks = art.manifest["model"].get("fallbacks")
     if miss:
         ckpts.same_model(ckpt, art.manifest["model"]["config"])
-    got = ckpts.load(ckpt, miss, fallbacks=fallbacks) if miss else {}
+    recipes = [r for r in _recipes(art) if any(n in {w[0] for w in miss} for n, _, _ in r.outputs)]
+    made = {n for r in recipes for n, _, _ in r.outputs}
+    got = ckpts.load(ckpt, [w for w in miss if w[0] not in made], fallbacks=fallbacks) if miss else {}
+    if recipes:  # weights derived at load: only those this stage's calls read
+        got.update(derive.run(recipes, lambda want: ckpts.load(ckpt, want, progress=False))[0])
     for name, _, dtype in miss:
         cache[(str(ckpt), name, dtype)] = got[name]
     return {name: cache[(str(ckpt), name, dtype)] for name, _, dtype in want}
+
+
+def _recipes(art: artifacts.Artifact) -> list:
+    """The derive program of the artifact's model (`derived(cfg)` of its family), if it has one."""
+    model = art.manifest["model"]
+    fam = importlib.import_module(f"{models.__name__}.{model['family']}")
+    if not hasattr(fam, "derived"):
+        return []
+    return fam.derived(fam.Config(**model["config"]))
 
 
 class Runner:

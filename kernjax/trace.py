@@ -106,6 +106,7 @@ class Program:
     outputs: tuple[Slot, ...]
     calls: tuple[str, ...]
     rows: int
+    slots: int = 0
 
     def text(self) -> str:
         """The program as text: the jaxpr and the roles. Stable across processes; the cut id hashes it."""
@@ -165,6 +166,7 @@ def trace(
     outputs: Sequence[tuple[str, str]],
     *,
     rows: int,
+    slots: int = 0,
 ) -> Program:
     """Traces `fn` (a dict of named inputs to a dict of named outputs) into a Program.
 
@@ -173,6 +175,8 @@ def trace(
       inputs: the flat inputs in order, each with its role and abstract shape.
       outputs: `(name, role)` of each output, in order; `fn` must return exactly these names.
       rows: the rows one run of the program takes (the chunk); the cut reports bytes per row.
+      slots: the sequence slots of its per-sequence states (`seq_slots` in `item.py`), slot 0
+        never leased; 0 when it has none.
     """
     errs = [f"input `{s.name}` has role `{s.role}`; roles are {INPUT_ROLES}"
             for s in inputs if s.role not in INPUT_ROLES]
@@ -208,4 +212,4 @@ def trace(
         raise TraceError("cannot trace:\n" + "\n".join(f"  - {e}" for e in errs))
     outs = tuple(Slot(n, r, str(v.aval.dtype), tuple(v.aval.shape))
                  for (n, r), v in zip(outputs, jp.outvars))
-    return Program(closed, tuple(inputs), outs, tuple(calls), rows)
+    return Program(closed, tuple(inputs), outs, tuple(calls), rows, slots)

@@ -69,7 +69,7 @@ def same_model(ckpt: str | os.PathLike, config: Mapping) -> None:
     config as a manifest records it); a checkpoint without config.json is left to `load`."""
     if not (Path(ckpt) / "config.json").is_file():
         return
-    got = read_config(ckpt)[1].__dict__
+    got = json.loads(json.dumps(read_config(ckpt)[1].__dict__))  # as a manifest records it
     diff = [f"{k} {got.get(k)} (the stages: {v})" for k, v in config.items()
             if k not in ("name", "dtype") and got.get(k) != v]
     if diff:
@@ -157,18 +157,27 @@ def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
         raise WeightError(f"`{out}` is not empty; write a random checkpoint into a new directory")
     out.mkdir(parents=True, exist_ok=True)
     shapes = fam.weight_shapes(cfg)
+    sources = getattr(fam, "source_shapes", lambda cfg: [])(cfg)
     total = sum(int(np.prod(s)) for _, s in shapes) * np_dtype(dtype).itemsize
+    total += sum(int(np.prod(s)) * np_dtype(d).itemsize for _, s, d in sources)
     shards, cur, size, t0 = [], {}, 0, time.time()
     for i, (tname, shape) in enumerate(shapes):
         rng = np.random.default_rng([seed, zlib.crc32(tname.encode())])
         cur[tname] = fam.random_weight(tname, shape, rng).astype(np_dtype(dtype))
         size += cur[tname].nbytes
-        if size >= SHARD_BYTES or i == len(shapes) - 1:
+        if size >= SHARD_BYTES or (i == len(shapes) - 1 and not sources):
             shards.append(cur)
             cur, size = {}, 0
         if progress and total > 256 << 20 and (i % 20 == 0 or i == len(shapes) - 1):
             print(f"random weights: {i + 1}/{len(shapes)} tensors, {time.time() - t0:.0f} s",
                   file=sys.stderr, flush=True)
+    if sources:  # tensors kept in their own dtype (MXFP4 bytes), made by the family
+        for k, (tname, x) in enumerate(fam.random_sources(cfg, seed)):
+            cur[tname] = x
+            size += x.nbytes
+            if size >= SHARD_BYTES or k == len(sources) - 1:
+                shards.append(cur)
+                cur, size = {}, 0
     if len(shards) == 1:
         save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
     else:

@@ -2,8 +2,10 @@
 
 A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
 `weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `PAGE`, and
-`prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. kernjax reaches a family only
-through `family()` and `named()`.
+`prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. A family whose checkpoint holds
+weights in another form than its program reads also provides `source_shapes(cfg)` (tensors kept
+in their own dtype), `random_sources(cfg, seed)` and `derived(cfg)` (the derive program,
+`kernjax/derive.py`). kernjax reaches a family only through `family()` and `named()`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from types import ModuleType
 DEFAULT = "qwen3-tiny"
 
 # HF `model_type` -> module in this package.
-FAMILIES = {"qwen3": "qwen3"}
+FAMILIES = {"qwen3": "qwen3", "kimi_linear": "k3"}
 
 
 def family(model_type: str) -> ModuleType:

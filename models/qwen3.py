@@ -125,15 +125,16 @@ def random_weight(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
     return 0.02 * rng.standard_normal(shape, dtype=np.float32)
 
 
-def _rms(x, w, eps):
+def rms(x, w, eps):
+    """RMSNorm as HF computes it: in float32, cast back to x's dtype before the weight."""
     x32 = x.astype(jnp.float32)
     x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
     return w * x32.astype(x.dtype)
 
 
-def _linear(x, w):
+def linear(x, w):
+    """x @ wᵀ (w as a checkpoint stores it, [out, in]); float32 products in full precision."""
     return jnp.einsum("...i,oi->...o", x, w, precision=exact(x.dtype))
-
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
@@ -180,14 +181,14 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return table[tokens]
 
     def input_norm(h, w):
-        return _rms(h, w, eps), h
+        return rms(h, w, eps), h
 
     def qkv_proj(a, wq, wk, wv):
-        return (_linear(a, wq).reshape(rows, H, D), _linear(a, wk).reshape(rows, KV, D),
-                _linear(a, wv).reshape(rows, KV, D))
+        return (linear(a, wq).reshape(rows, H, D), linear(a, wk).reshape(rows, KV, D),
+                linear(a, wv).reshape(rows, KV, D))
 
     def head_norm(x, w):
-        return _rms(x, w, eps)
+        return rms(x, w, eps)
 
     def rope(q, k, positions):
         f = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
@@ -210,24 +211,24 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return o.reshape(rows, H * D)
 
     def o_proj(o, w):
-        return _linear(o, w)
+        return linear(o, w)
 
     def add_norm(y, h, w):
         h = h + y
-        return _rms(h, w, eps), h
+        return rms(h, w, eps), h
 
     def gate_up(m, wg, wu):
-        return _linear(m, wg), _linear(m, wu)
+        return linear(m, wg), linear(m, wu)
 
     def silu_mul(g, u):
         return jax.nn.silu(g) * u
 
     def down_proj(x, w):
-        return _linear(x, w)
+        return linear(x, w)
 
     def lm_head(a, w, cu_seqlens):
         last = jnp.maximum(cu_seqlens[1:] - 1, 0)
-        return _linear(a[last], w)
+        return linear(a[last], w)
 
     def argmax(logits):
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)

@@ -16,7 +16,9 @@ def test_size_budget():
     # Core (trace, cut, stage, run, weights, xla) ~1,900 lines; serving with the OpenAI surface
     # and its hardening against bad input ~2,300.
     assert _lines("kernjax/**/*.py") < 4600
-    assert _lines("csrc/*") < 500
+    # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200); hold/push and FlashKDA
+    # varlen (issues 8, 9) are still to come.
+    assert _lines("csrc/*") < 1200
 
 
 def test_kernjax_holds_no_model_knowledge():

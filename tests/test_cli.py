@@ -117,6 +117,10 @@ REFUSALS = {
                     "intermediate 256 (the stages: 128)"),
     "wrong_verb": (["kernjax.weights", "randm", "--model", MODEL, "--out", "w"],
                    "the verb is random"),
+    "zero_chunk": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",
+                    "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
+    "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
+                        "5"], "--slots: qwen3-tiny has no per-sequence states"),
 }
 WORKS = {
     "chain_one": (["kernjax.chain", "--stages", "st", "--prompts", "one.txt"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
@@ -210,3 +211,31 @@ def test_jitted_jnp_matches_numpy_bitwise():
     np.testing.assert_array_equal(np.asarray(pj), p)
     np.testing.assert_array_equal(np.asarray(sj), s)
     np.testing.assert_array_equal(_bits(jax.jit(q.dequantize_jnp)(p, s)), _bits(q.dequantize(p, s)))
+
+
+@pytest.mark.parametrize("gated,dims", [(True, (3, 128, 64)), (False, (2, 96, 256)),
+                                        (True, (1, 64, 32)), (False, (2, 160, 96)),
+                                        (True, (2, 320, 224))])
+def test_the_ffi_shuffle_is_the_reference_bitwise(gated, dims):
+    """csrc/mxfp4_shuffle.{cc,cu} (the CPU handler here, the CUDA one on a GPU) against
+    `mxfp4.shuffle`: random bytes (any code, NaN scales included), rows and blocks that need
+    padding, batched experts."""
+    from kernjax import ffi
+    e, m, k = dims
+    rng = np.random.default_rng(m + k)
+    packed = rng.integers(0, 256, (e, m, k // 2), dtype=np.uint8)
+    scales = rng.integers(0, 256, (e, m, k // 32), dtype=np.uint8)
+    want = q.shuffle(packed, scales, gated=gated)
+    got = jax.jit(ffi.mxfp4_shuffle, static_argnames="gated")(packed, scales, gated=gated)
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and np.asarray(g).tobytes() == np.asarray(w).tobytes()
+
+
+def test_the_ffi_shuffle_refuses_bad_shapes():
+    from kernjax import ffi
+    with pytest.raises(ValueError, match="multiple of 64"):
+        ffi.mxfp4_shuffle(np.zeros((96, 16), np.uint8), np.zeros((96, 1), np.uint8), gated=True)
+    with pytest.raises(ValueError, match="do not match"):
+        ffi.mxfp4_shuffle(np.zeros((64, 16), np.uint8), np.zeros((64, 2), np.uint8))
+    with pytest.raises(TypeError, match="uint8"):
+        ffi.mxfp4_shuffle(np.zeros((64, 16), np.int8), np.zeros((64, 1), np.uint8))

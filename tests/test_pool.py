@@ -127,3 +127,17 @@ def test_a_pool_with_nothing_to_lease_is_refused_with_every_reason():
         "  - a page of 0 tokens holds nothing",
         "  - a page-table row of 0 pages holds no sequence",
     ]
+
+
+def test_slots_are_leased_with_the_pages_lowest_first_and_given_back():
+    p = Pool(pages=10, page=4, width=8, slots=3)  # slots 1 and 2
+    a, b = p.lease(4), p.lease(4)
+    assert (a.slot, b.slot) == (1, 2)
+    assert p.lease(1) is None, "no slot free: not now, even with pages free"
+    assert p.free == 7, "a refused lease takes nothing"
+    p.release(a)
+    c = p.lease(8)
+    assert c.slot == 1 and len(c.pages) == 2
+    assert Pool(pages=10, page=4, width=8).lease(4).slot == 0, "a pool without slots leases none"
+    with pytest.raises(ValueError, match="at least 2 slots"):
+        Pool(pages=10, page=4, width=8, slots=1)

@@ -127,10 +127,10 @@ async def _post(session, url, body, raw=None):
         return r.status, await r.json(content_type=None)
 
 
-def _complete(url, prompts, *, concurrent: bool):
+def _complete(url, prompts, *, concurrent: bool, model: str = "qwen3-tiny"):
     async def go():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            body = lambda p: {"model": "qwen3-tiny", "prompt": p, "max_tokens": 1}  # noqa: E731
+            body = lambda p: {"model": model, "prompt": p, "max_tokens": 1}  # noqa: E731
             if concurrent:
                 return await asyncio.gather(*(_post(s, url, body(p)) for p in prompts))
             return [await _post(s, url, body(p)) for p in prompts]

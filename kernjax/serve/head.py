@@ -99,7 +99,7 @@ class Head:
         self.fills: dict[int, list[str]] = {}
         self.seen: dict[int, float] = {}
         self.listen, self.startup_timeout = listen, startup_timeout
-        self.pool = Pool(self.shape.pages, self.shape.page, self.shape.width)
+        self.pool = Pool(self.shape.pages, self.shape.page, self.shape.width, self.shape.slots)
         # pack()'s bound on Σ(pos + n): the keys one item's attention can read, every page-table
         # row full. Each sequence's own bound (one row) is the pool's `fits`.
         self._context = self.shape.seqs * self.shape.context
@@ -130,7 +130,7 @@ class Head:
         if self.stages > 1:
             pages = self._gather(self.startup_timeout)
             with self.cond:
-                self.pool = Pool(pages, self.shape.page, self.shape.width)
+                self.pool = Pool(pages, self.shape.page, self.shape.width, self.shape.slots)
                 self.failed = self.joining = None
             for s, conn in self.conns.items():
                 threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}",
@@ -281,7 +281,7 @@ class Head:
         pieces, ends = [], []
         for i, n in plan:
             r = self.live[i]
-            pieces.append(Piece(r.tokens[r.pos:r.pos + n], r.pos, r.lease.pages))
+            pieces.append(Piece(r.tokens[r.pos:r.pos + n], r.pos, r.lease.pages, r.lease.slot))
             r.pos += n
             ends.append((r, r.pos == len(r.tokens)))
         self.live = [r for r in self.live if r.pos < len(r.tokens)]
