@@ -33,9 +33,11 @@ namespace py = pybind11;
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCpu);          // mark.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCpu);  // mxfp4_shuffle.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjKdaCpu);           // kda.cc
 #ifdef KERNJAX_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCuda);          // mark.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCuda);  // mxfp4_shuffle.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjKdaCuda);           // kda.cu
 #endif
 
 namespace {
@@ -108,10 +110,12 @@ PYBIND11_MODULE(_ffi, m) {
         py::dict cpu;
         cpu["kj_mark"] = Encapsulate(KjMarkCpu);
         cpu["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCpu);
+        cpu["kj_kda"] = Encapsulate(KjKdaCpu);
         py::dict cuda;
 #ifdef KERNJAX_CUDA
         cuda["kj_mark"] = Encapsulate(KjMarkCuda);
         cuda["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCuda);
+        cuda["kj_kda"] = Encapsulate(KjKdaCuda);
 #endif
         py::dict out;
         out["cpu"] = cpu;

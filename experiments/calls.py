@@ -1,12 +1,13 @@
 """Where a prefill chunk's time goes, call by call: each call of one program run alone, lowered as
 the platform lowers it in a stage (`kernjax.trace.as_function`), on random inputs of its shapes.
 
-Calls of the same name in every layer have the same shapes, so by default only the calls outside
-the layers and those of layer 0 are timed and the per-layer ones are multiplied by the layer count.
+A call of a later layer with the same name and the same operand shapes as one already timed (every
+layer of a dense model, the layers of one kind in a hybrid) takes that time unless `--all`.
 The attention call reads the KV state: its positions are set so the chunk sits at the end of
 `--context` tokens (one sequence), so it does the work of the last chunk of such a prompt.
-Prints a table (ms per call, share of the sum) and, with `--out`, writes JSON: the profile
-`kernjax.cut --at auto` could use.
+Prints a table (ms per call, share of the sum) and, with `--out`, writes JSON with every call's
+time (`measured` false where it was taken from its twin): the profile `kernjax.cut --at auto
+--profile` reads.
 
     python experiments/calls.py --model qwen3-4b --rows 512 --context 8192 --out calls.json
 """
@@ -18,7 +19,6 @@ import json
 import re
 import statistics
 import time
-from collections import Counter
 
 import kernjax  # noqa: F401  (XLA caches before jax starts)
 import jax
@@ -43,20 +43,23 @@ def main():
     a = ap.parse_args()
     fam, cfg = models.named(a.model)
     program = fam.program(cfg, dtype=a.dtype, rows=a.rows, context=a.context)
+    shape = item_shape(program, fam.PAGE)
     item = make_item([Piece(np.zeros(a.rows, np.int32), a.context - a.rows,
-                            tuple(range(1, a.context // fam.PAGE + 1)))],
-                     item_shape(program, fam.PAGE))
+                            tuple(range(1, a.context // fam.PAGE + 1)), 1 if shape.slots else 0)],
+                     shape)
     platform = export.default_export_platform()
     jp = program.jaxpr.jaxpr
     given = {v: item[s.name] for v, s in zip(jp.invars, program.inputs) if s.role in ("fill", "table")}
     rng = np.random.default_rng(0)
-    rows, per_layer = [], {}
+    rows, per_layer, timed = [], {}, {}
     suffix = lambda n: re.sub(r"^l\d+\.", "", n)  # noqa: E731
-    count = Counter(suffix(e.params["name"]) for e in jp.eqns)
     for k, e in enumerate(jp.eqns):
         name = e.params["name"]
-        m = re.fullmatch(r"l(\d+)\.(.+)", name)
-        if m and int(m[1]) > 0 and not a.all and m[2] in per_layer:
+        twin = (suffix(name), tuple((v.aval.shape, str(v.aval.dtype)) for v in e.invars))
+        if twin in timed and not a.all:
+            ms = timed[twin]
+            per_layer[suffix(name)] += ms
+            rows.append({"call": k, "name": name, "ms": ms, "measured": False})
             continue
         one = jex.ClosedJaxpr(jex.Jaxpr([], e.invars, e.outvars, [e]), [])
         args = [given[v] if v in given else
@@ -71,13 +74,9 @@ def main():
             out = jax.block_until_ready(fn(*args))
             times.append(time.perf_counter() - t)
             args[:states_of(e)] = out[:states_of(e)]  # a donated state comes back
-        times = times[1:]
-        ms = statistics.median(times) * 1e3
-        key = suffix(name)
-        n = 1 if a.all else count[key]
-        per_layer.setdefault(key, 0.0)
-        per_layer[key] += ms * n
-        rows.append({"call": k, "name": name, "ms": ms, "times": n})
+        ms = timed[twin] = statistics.median(times[1:]) * 1e3
+        per_layer[suffix(name)] = per_layer.get(suffix(name), 0.0) + ms
+        rows.append({"call": k, "name": name, "ms": ms, "measured": True})
     total = sum(per_layer.values())
     print(f"{a.model} {a.dtype} rows {a.rows}, chunk at the end of {a.context} tokens, on "
           f"{jax.devices()[0].device_kind} (jax {jax.__version__}), median of {a.iters}")

@@ -44,7 +44,7 @@ for step in "$@"; do
   tests)
     log "tests on the GPU"
     timeout "${TEST_SECONDS:-900}" python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
+      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
@@ -95,6 +95,10 @@ for step in "$@"; do
       python experiments/calls.py --model qwen3-4b --rows "$r" --context 8192 \
         --out "$OUT/logs/calls-$r.json" > "$OUT/logs/calls-$r.log" 2>&1
       tail -22 "$OUT/logs/calls-$r.log" | say
+      python -m kernjax.cut --model qwen3-4b --chunk "$r" --context 8192 --seqs 1 --at auto \
+        --profile "$OUT/logs/calls-$r.json" --out "cuts/auto-$r" 2>&1 | grep -E "auto:|error" | say
+      python -c 'import json, sys; c = json.load(open(sys.argv[1]))["calls"]; a = sum(x["ms"] for x in c[:218]); b = sum(x["ms"] for x in c[218:]); print(f"--at 18 by the same profile: {a:.3f}, {b:.3f} ms, the longest {2 * max(a, b) / (a + b):.3f} of even")' "$OUT/logs/calls-$r.json" | say
+      rm -rf "cuts/auto-$r"
     done ;;
   prefill)
     log "prefill benchmark"

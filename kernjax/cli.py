@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
 import os
 import re
 import shutil
@@ -157,6 +158,68 @@ def parse_at(text: str, calls) -> list[int]:
     return out
 
 
+def profile_times(path, program, model: str) -> list[float]:
+    """Each call's time (ms) from a profile of `experiments/calls.py`, which names every call."""
+    try:
+        prof = json.loads(Path(path).read_text())
+        got = {c["name"]: float(c["ms"]) for c in prof["calls"]}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--profile `{path}` is not a profile of experiments/calls.py --out "
+                         f"({type(e).__name__}: {e})") from None
+    if prof.get("model") != model or prof.get("rows") != program.rows:
+        raise ValueError(f"--profile `{path}` times {prof.get('model')} at {prof.get('rows')} "
+                         f"rows; this cut is {model} at {program.rows} (re-run experiments/"
+                         f"calls.py --model {model} --rows {program.rows})")
+    out, missing = [], []
+    for c in program.calls:
+        ms = got.get(c)
+        if ms is None:
+            missing.append(c)
+        out.append(ms or 0.0)
+    if missing:
+        raise ValueError(f"--profile `{path}` has no time for {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''}; re-run experiments/calls.py for "
+                         "this model")
+    return out
+
+
+def auto_cut(program, model: str):
+    """The cut of --at auto: even periods by the profile, skipping points the cut refuses."""
+    from kernjax.cut import CutError, balanced, cut
+    if not FLAGS.profile:
+        raise ValueError("--at auto needs --profile FILE: per-call times from experiments/"
+                         "calls.py --out on the device that will run the stages")
+    if not 2 <= FLAGS.stages <= len(program.calls):
+        raise ValueError(f"--stages {FLAGS.stages}: give 2 to {len(program.calls)}")
+    ms, banned = profile_times(FLAGS.profile, program, model), set()
+    while True:
+        points = balanced(ms, FLAGS.stages, frozenset(banned))
+        try:
+            stages = cut(program, points)
+            break
+        except CutError:  # some point splits a state or an output: never use it again
+            bad = {p for p in points if _refused(program, p)}
+            if not bad:
+                raise
+            banned |= bad
+    periods = [sum(ms[a:b]) for a, b in zip([0, *points], [*points, len(ms)])]
+    even = sum(periods) / len(periods)
+    print(f"--at auto: c{', c'.join(map(str, points))} "
+          f"({', '.join(f'`{program.calls[p]}`' for p in points)}); stage periods "
+          f"{', '.join(f'{p:.3f}' for p in periods)} ms by the profile, the longest "
+          f"{max(periods) / even:.3f} of even")
+    return stages
+
+
+def _refused(program, point: int) -> bool:
+    from kernjax.cut import CutError, cut
+    try:
+        cut(program, [point])
+    except CutError:
+        return True
+    return False
+
+
 def cut_main():
     """Usage: python -m kernjax.cut (--model NAME | --weights DIR) --at POINTS --out DIR
 
@@ -164,7 +227,11 @@ Traces the model's forward, cuts it before each point (18: layer 18; c218: call 
 separate points), prints what each stage keeps and sends, and writes stage0/ .. stageN/ and
 whole/ into DIR, replacing a previous cut there."""
     source_flags()
-    flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated")
+    flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated;"
+                        " or `auto`: --stages stages of even periods by --profile")
+    flags.DEFINE_integer("stages", 2, "with --at auto: how many stages")
+    flags.DEFINE_string("profile", None, "with --at auto: per-call times, as "
+                        "experiments/calls.py --out writes them for this model and --chunk")
     flags.DEFINE_string("out", None, "directory for stage0/ .. stageN/ and whole/")
     flags.DEFINE_integer("chunk", 512, "rows per run of the program")
     flags.DEFINE_integer("seqs", 4, "sequences one item may hold (packed prefill)")
@@ -195,7 +262,9 @@ whole/ into DIR, replacing a previous cut there."""
             extra["slots"] = FLAGS.slots
         program = fam.program(cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
                               context=FLAGS.context, pages=FLAGS.pages, **extra)
-        stages = cut(program, parse_at(FLAGS.at, program.calls))
+        auto = FLAGS.at.strip() == "auto"
+        stages = auto_cut(program, cfg.name) if auto else \
+            cut(program, parse_at(FLAGS.at, program.calls))
         print(f"{cfg.name}, {dtype}, chunk {FLAGS.chunk}: {len(program.calls)} calls, traced in "
               f"{time.time() - t0:.1f} s")
         print(describe(program, stages))

@@ -98,6 +98,36 @@ def cut(program: Program, at: Sequence[int]) -> tuple[Stage, ...]:
     return _partition(program, [0, *at, n], tuple(at))
 
 
+def balanced(ms: Sequence[float], stages: int, banned: frozenset[int] = frozenset()) -> list[int]:
+    """Cut points (call indices) splitting calls with times `ms` into `stages` contiguous stages
+    whose largest total is as small as it can be, never at a point in `banned`; ties go to the
+    earliest points. Exact (dynamic programming over prefix sums)."""
+    n = len(ms)
+    pre = [0.0]
+    for m in ms:
+        pre.append(pre[-1] + m)
+    inf = float("inf")
+    # best[s][j]: the least max-period of calls 0..j-1 in s stages; at[s][j]: its last point.
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    at = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s_ in range(1, stages + 1):
+        for j in range(s_, n + 1):
+            for i in range(s_ - 1, j):
+                if i in banned and 0 < i < n:
+                    continue
+                v = max(best[s_ - 1][i], pre[j] - pre[i])
+                if v < best[s_][j]:
+                    best[s_][j], at[s_][j] = v, i
+    if best[stages][n] == inf:
+        raise CutError([f"no {stages}-stage cut exists among the allowed points"])
+    points, j = [], n
+    for s_ in range(stages, 0, -1):
+        j = at[s_][j]
+        points.append(j)
+    return sorted(points)[1:]
+
+
 def whole(program: Program) -> Stage:
     """The uncut program as a one-stage cut: the reference every split is compared with."""
     return _partition(program, [0, len(program.calls)], ())[0]

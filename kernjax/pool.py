@@ -83,6 +83,10 @@ class Pool:
     def in_use(self) -> int:
         return self.capacity - len(self._free)
 
+    @property
+    def slots_in_use(self) -> int:
+        return max(self.slots - 1, 0) - len(self._free_slots)
+
     def fits(self, tokens: int) -> str | None:
         """None if a prompt of `tokens` tokens could ever be leased; otherwise why it never can."""
         if tokens < 1:

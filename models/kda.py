@@ -147,3 +147,20 @@ def chunked(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None, chu
     local = jnp.arange(T) - cu[seq]
     o = oc[cs[seq] + local // C, local % C]
     return jnp.where(real[:, None, None], o, 0.0).astype(v.dtype), final
+
+
+def flash(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None):
+    """The chunked form as one custom op, `kj_kda` (csrc/kda.{h,cc,cu}: chunk 16, one block per
+    sequence and head, no atomics), on the CPU and on CUDA GPUs; same arguments and results as
+    `naive` and `chunked`, K = V (FlashKDA's shape), K at least 16. Needs the built extension."""
+    from kernjax import ffi
+
+    q, k, v32, g, beta, cu, h0 = _prepare(q, k, v, g, beta, cu_seqlens, initial_state, scale)
+    T, H, K = q.shape
+    if v32.shape != (T, H, K) or K < 16:
+        raise ValueError(f"kj_kda takes K = V >= 16: q {q.shape}, v {v.shape}")
+    ffi.register()
+    o, final = jax.ffi.ffi_call("kj_kda", (jax.ShapeDtypeStruct((T, H, K), F32),
+                                           jax.ShapeDtypeStruct(h0.shape, F32)))(
+        q, k, v32, g, beta, cu, h0)
+    return o.astype(v.dtype), final

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from kernjax import weights
+from kernjax import models, weights
 
 MODEL = "qwen3-tiny"
 SMALL = ["--chunk", "16", "--context", "64"]
@@ -48,6 +48,10 @@ def work(tmp_path_factory):
     (t / "foreign").mkdir()
     (t / "foreign" / "config.json").write_text("{}")
     (t / "one.txt").write_text("7\n")
+    calls = models.named(MODEL)[0].program(models.named(MODEL)[1], dtype="float32", rows=64,
+                                           context=256).calls
+    (t / "prof.json").write_text(json.dumps({"model": MODEL, "rows": 64, "calls": [
+        {"name": c, "ms": 15.0 if c == "embed" else 1.0} for c in calls]}))
     return t, made
 
 
@@ -121,8 +125,19 @@ REFUSALS = {
                     "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
     "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
+    "auto_without_profile": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
+                             "--at auto needs --profile FILE"),
+    "auto_other_rows": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z",
+                         "--profile", "prof.json", "--chunk", "32"],
+                        "times qwen3-tiny at 64 rows; this cut is qwen3-tiny at 32"),
 }
 WORKS = {
+    # Even periods would cut at c19, between l1.kv_write and l1.attn, which splits kv.1: refused,
+    # so the next best, c18.
+    "auto_two": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--profile", "prof.json",
+                  "--chunk", "64", "--context", "256", "--out", "auto"],
+                 "--at auto: c18 (`l1.kv_write`); stage periods 32.000, 34.000 ms by the profile, "
+                 "the longest 1.030 of even"),
     "chain_one": (["kernjax.chain", "--stages", "st", "--prompts", "one.txt"],
                   "prompt 0: 1 token, 1 chunk: IDENTICAL\nPASS: 1 prompt bitwise identical"),
     "text_on_random_weights": (["kernjax.run", "--model", MODEL, "--prompt", "Hello"],

@@ -325,3 +325,24 @@ def test_numeric_twin_stages_are_bitwise_the_whole():
 
     check()
     assert seen["cut"] > 50, seen
+
+
+@given(st.lists(st.floats(0, 10, allow_nan=False), min_size=3, max_size=9), st.integers(2, 3),
+       st.sets(st.integers(1, 8), max_size=3))
+@settings(max_examples=60, deadline=None)
+def test_balanced_points_minimize_the_longest_stage(ms, stages, banned):
+    """`balanced` against brute force over every allowed set of points (`--at auto`)."""
+    import itertools
+
+    from kernjax.cut import balanced
+    n = len(ms)
+    allowed = [p for p in range(1, n) if p not in banned]
+    combos = list(itertools.combinations(allowed, stages - 1))
+    longest = lambda pts: max(sum(ms[a:b]) for a, b in zip([0, *pts], [*pts, n]))  # noqa: E731
+    if not combos:
+        with pytest.raises(CutError):
+            balanced(ms, stages, frozenset(banned))
+        return
+    got = balanced(ms, stages, frozenset(banned))
+    assert len(got) == stages - 1 and not set(got) & banned and got == sorted(set(got))
+    assert longest(got) == pytest.approx(min(longest(c) for c in combos), abs=1e-9)

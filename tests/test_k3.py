@@ -235,7 +235,7 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     import sys
 
     from tests.test_serve import Pipeline as Serving
-    from tests.test_serve import _complete, _tokens
+    from tests.test_serve import _complete, _metric, _tokens
 
     out = tmp_path / "cut"
     p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "k3-mini", "--at", "2",
@@ -255,5 +255,6 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     try:
         assert _tokens(_complete(two.http, ps, concurrent=False, model="k3-mini")) == want
         assert _tokens(_complete(two.http, ps, concurrent=True, model="k3-mini")) == want
+        assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
     finally:
         two.stop()

@@ -134,6 +134,7 @@ def test_slots_are_leased_with_the_pages_lowest_first_and_given_back():
     a, b = p.lease(4), p.lease(4)
     assert (a.slot, b.slot) == (1, 2)
     assert p.lease(1) is None, "no slot free: not now, even with pages free"
+    assert p.slots_in_use == 2
     assert p.free == 7, "a refused lease takes nothing"
     p.release(a)
     c = p.lease(8)

@@ -263,6 +263,7 @@ class Head:
             self.live.append(r)
         if self.metrics:
             self.metrics.pages.set(self.pool.in_use)
+            self.metrics.slots.set(self.pool.slots_in_use)
         if len(self.inflight) >= 4 * self.stages:
             return False
         waiting = [Waiting(i, r.pos, len(r.tokens) - r.pos) for i, r in enumerate(self.live)]
@@ -321,6 +322,7 @@ class Head:
             if self.metrics:
                 self.metrics.item(rows, busy_us)
                 self.metrics.pages.set(self.pool.in_use)
+                self.metrics.slots.set(self.pool.slots_in_use)
             self.cond.notify_all()
 
     # --- stage connections ------------------------------------------------------------------

@@ -84,6 +84,8 @@ class Metrics:
         self.rows = Histogram("kernjax_item_rows", "Rows per item", registry=r,
                               buckets=(1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192))
         self.pages = Gauge("kernjax_pages_in_use", "Pages leased from the head's pool", registry=r)
+        self.slots = Gauge("kernjax_slots_in_use", "Sequence slots leased from the head's pool "
+                           "(models with per-sequence states)", registry=r)
         self.stage = Histogram("kernjax_stage_item_seconds", "Per-stage compute time per item",
                                ["stage"], registry=r)
 
@@ -400,7 +402,8 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         if head.waiting() or head.failed:
             return _error(503, head.waiting() or head.failed)
         return web.json_response({"status": "ok", "stages": head.stages,
-                                  "pages_in_use": head.pool.in_use})
+                                  "pages_in_use": head.pool.in_use,
+                                  "slots_in_use": head.pool.slots_in_use})
 
     async def prometheus(_: web.Request) -> web.Response:
         return web.Response(body=generate_latest(metrics.registry),
