@@ -20,13 +20,10 @@ namespace {
 ffi::Error KdaImpl(F32 q, F32 k, F32 v, F32 g, F32 beta,
                    ffi::Buffer<ffi::S32> cu, F32 h0, ffi::ResultBuffer<ffi::F32> o,
                    ffi::ResultBuffer<ffi::F32> final_state) {
-  auto qd = q.dimensions();
-  if (qd.size() != 3 || cu.element_count() < 2) {
-    return ffi::Error::InvalidArgument("kj_kda: q must be [T, H, K], cu_seqlens [N+1]");
-  }
-  const int64_t T = qd[0];
-  const int H = int(qd[1]), K = int(qd[2]);
-  const int N = int(cu.element_count()) - 1;
+  int64_t T;
+  int H, K, N;
+  ffi::Error bad = kj::KdaDims(q, cu, &T, &H, &K, &N, "kj_kda");
+  if (bad.failure()) return bad;
   const int32_t* c = cu.typed_data();
   float* out = o->typed_data();
   std::vector<float> buf(kj::KdaFloats(K));

@@ -53,13 +53,10 @@ __global__ void ZeroPadding(float* o, const int32_t* cu, int N, int64_t T, int64
 ffi::Error KdaImpl(cudaStream_t stream, F32 q, F32 k, F32 v, F32 g, F32 beta,
                    ffi::Buffer<ffi::S32> cu, F32 h0, ffi::ResultBuffer<ffi::F32> o,
                    ffi::ResultBuffer<ffi::F32> final_state) {
-  auto qd = q.dimensions();
-  if (qd.size() != 3 || cu.element_count() < 2) {
-    return ffi::Error::InvalidArgument("kj_kda (cuda): q must be [T, H, K], cu_seqlens [N+1]");
-  }
-  const int64_t T = qd[0];
-  const int H = int(qd[1]), K = int(qd[2]);
-  const int N = int(cu.element_count()) - 1;
+  int64_t T;
+  int H, K, N;
+  ffi::Error bad = kj::KdaDims(q, cu, &T, &H, &K, &N, "kj_kda (cuda)");
+  if (bad.failure()) return bad;
   const size_t bytes = sizeof(float) * kj::KdaFloats(K);
   cudaError_t err = cudaFuncSetAttribute(KdaKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          int(bytes));

@@ -9,14 +9,14 @@
 // wrote, so the two agree.
 #pragma once
 
+#include "kj.h"
+
 #include <cmath>
 #include <cstdint>
+#include <string>
 
-#ifdef __CUDACC__
-#define KJ_HD __host__ __device__ inline
-#else
-#define KJ_HD inline
-#endif
+#include "xla/ffi/api/ffi.h"
+
 
 namespace kj {
 
@@ -143,6 +143,19 @@ KJ_HD void KdaStep(KdaBlock& s, int t, float* o, int64_t t0, int c, int h, int H
     for (int i = 0; i < C; ++i) x += s.kd[i * K + d] * s.U[i * K + t];
     s.S[d * K + t] = x;
   }
+}
+
+// T, H, K = V and N from the operands (q [T, H, K], cu_seqlens [N+1]), or why not.
+inline xla::ffi::Error KdaDims(const xla::ffi::Buffer<xla::ffi::F32>& q,
+                               const xla::ffi::Buffer<xla::ffi::S32>& cu, int64_t* T, int* H,
+                               int* K, int* N, const char* who) {
+  auto d = q.dimensions();
+  if (d.size() != 3 || cu.element_count() < 2 || d[2] < kKdaChunk) {
+    return xla::ffi::Error::InvalidArgument(
+        std::string(who) + ": q must be [T, H, K] with K >= 16, cu_seqlens [N+1]");
+  }
+  *T = d[0], *H = int(d[1]), *K = int(d[2]), *N = int(cu.element_count()) - 1;
+  return xla::ffi::Error::Success();
 }
 
 }  // namespace kj

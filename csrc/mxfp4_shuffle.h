@@ -12,16 +12,13 @@
 //     swizzle: byte ScaleOffset(m, k).
 #pragma once
 
+#include "kj.h"
+
 #include <cstdint>
 #include <string>
 
 #include "xla/ffi/api/ffi.h"
 
-#ifdef __CUDACC__
-#define KJ_HD __host__ __device__ inline
-#else
-#define KJ_HD inline
-#endif
 
 namespace kj {
 

@@ -24,7 +24,6 @@ import warnings
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from kernjax.models import attention_hopper, attention_pallas
 

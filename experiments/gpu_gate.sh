@@ -11,6 +11,9 @@
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
+# A device call may run 10 minutes; a session has 30. The final gates fit three calls:
+#   TEST_SECONDS=330 gpu_gate.sh tests k3 ;  CHUNKS="512 64" gpu_gate.sh chain calls ;
+#   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.

@@ -292,7 +292,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     pages = pages or seqs * width + 1
     slots = slots or 4 * seqs + 1
     dt = jnp.dtype(dtype)
-    L, D = cfg.layers, cfg.hidden
+    L = cfg.layers
     H, K = cfg.kda_heads, cfg.kda_head_dim
     HK, W = H * K, cfg.conv
     mh, nope, rope, vd = cfg.mla_heads, cfg.nope, cfg.rope, cfg.v_dim

@@ -315,14 +315,16 @@ class Head:
                 raise ProtocolError(f"tokens for item {k} arrived; item "
                                     f"{self.inflight[0][0] if self.inflight else None} was due")
             _, ends = self.inflight.popleft()
-            for i, (r, finished) in enumerate(ends):
+            for r, finished in ends:
                 if finished:
                     self.pool.release(r.lease)
-                    r.settle((int(tokens[i]), now - r.arrived))
-            if self.metrics:
+            if self.metrics:  # before any reply: a client that has its answer sees the pool back
                 self.metrics.item(rows, busy_us)
                 self.metrics.pages.set(self.pool.in_use)
                 self.metrics.slots.set(self.pool.slots_in_use)
+            for i, (r, finished) in enumerate(ends):
+                if finished:
+                    r.settle((int(tokens[i]), now - r.arrived))
             self.cond.notify_all()
 
     # --- stage connections ------------------------------------------------------------------
