@@ -258,3 +258,35 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
         assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
     finally:
         two.stop()
+
+
+def test_a_stage_derives_only_what_its_calls_read(tmp_path):
+    """Cut at layer 2: stage 0 (MoE layer 1) derives layer 1's two GEMM layouts, stage 1 (MoE
+    layers 2 and 3) the other four, and neither reads the other's MXFP4 sources."""
+    from kernjax import runner as runner_mod
+
+    program = FAM.program(CFG, dtype=CFG.dtype, rows=64, context=256)
+    meta = dict(model=model_meta(FAM, CFG), checkpoint=REF, dtype=CFG.dtype,
+                item=item_shape(program, FAM.PAGE))
+    seen = []  # per stage: (derive calls, source names read)
+    real = runner_mod.derive.run
+
+    def spy(recipes, read, **kw):
+        names = []
+        seen.append((len(recipes), names))
+        return real(recipes, lambda want: (names.extend(n for n, _, _ in want), read(want))[1],
+                    **kw)
+
+    runner_mod.derive.run = spy
+    try:
+        at = next(i for i, c in enumerate(program.calls) if c.startswith("l2."))
+        for st in cut(program, [at]):
+            art = artifacts.read(artifacts.write(tmp_path / f"s{st.index}", st, **meta))
+            made = sorted(n for n in load_weights(art, checkpoint_dir(REF)) if ".gemm" in n)
+            assert {int(n.split(".")[2]) for n in made} == ({1} if st.index == 0 else {2, 3})
+    finally:
+        runner_mod.derive.run = real
+    (calls0, read0), (calls1, read1) = seen
+    assert (calls0, calls1) == (2, 4)
+    assert read0 and all(".layers.1." in n for n in read0)
+    assert read1 and not any(".layers.1." in n for n in read1)
