@@ -6,6 +6,8 @@
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
+#   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
+#              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
 #
@@ -92,6 +94,12 @@ for step in "$@"; do
         rm -rf "cuts/k3-$at-$c"
       done
     done ;;
+  k3serve)
+    log "k3-mini-gpu served: whole vs 2 stages on two GPUs"
+    python experiments/load.py --model k3-mini-gpu --at 4 --chunk 512 --seqs 16 --context 16384 \
+      --gpus 0,1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48 --warmup 4 \
+      --out "$OUT/k3serve" > "$OUT/logs/k3serve.log" 2>&1
+    grep -E "^\|" "$OUT/logs/k3serve.log" | tail -8 | say ;;
   calls)
     log "time per call"
     for r in 512 2048; do

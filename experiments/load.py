@@ -53,26 +53,31 @@ def _port() -> int:
 class Server:
     """The processes of one configuration; `stop` ends them (SIGTERM, then SIGKILL)."""
 
-    def __init__(self, cut: Path, logs: Path, stages: int, stage_timeout: float):
+    def __init__(self, cut: Path, logs: Path, stages: int, stage_timeout: float,
+                 gpus: list[str] | None = None):
         self.port = _port()
+        self.gpus = gpus or []
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[tuple[subprocess.Popen, Path]] = []
         if stages == 1:
             self._start(["--stage_dir", str(cut / "whole"), "--port", str(self.port)],
-                        logs / "whole.log")
+                        logs / "whole.log", 0)
         else:
             pp = f"127.0.0.1:{_port()}"
             self._start(["--stage_dir", str(cut / "stage0"), "--pp_listen", pp,
                          "--port", str(self.port), "--stage_timeout", str(stage_timeout)],
-                        logs / "stage0.log")
+                        logs / "stage0.log", 0)
             for s in range(1, stages):
                 self._start(["--stage_dir", str(cut / f"stage{s}"), "--pp_head", pp],
-                            logs / f"stage{s}.log")
+                            logs / f"stage{s}.log", s)
 
-    def _start(self, args, log: Path):
+    def _start(self, args, log: Path, index: int):
+        env = dict(os.environ)
+        if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
         with log.open("w") as f:
             p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", "--host", "127.0.0.1",
-                                  *args], stdout=f, stderr=subprocess.STDOUT)
+                                  *args], stdout=f, stderr=subprocess.STDOUT, env=env)
         self.procs.append((p, log))
 
     def dead(self) -> list[str]:
@@ -218,6 +223,8 @@ def main():
     ap.add_argument("--request_timeout", type=float, default=120.0)
     ap.add_argument("--level_timeout", type=float, default=600.0)
     ap.add_argument("--startup_timeout", type=float, default=300.0)
+    ap.add_argument("--gpus", default="", help="GPU ids, e.g. 0,1: stage s (and whole) runs on "
+                    "the s-th (CUDA_VISIBLE_DEVICES); empty: every process sees every device")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
@@ -254,7 +261,8 @@ def main():
             logs = tmp / config.replace(" ", "")
             logs.mkdir()
             t = time.time()
-            srv = Server(tmp / "cut", logs, stages, stage_timeout=a.request_timeout)
+            srv = Server(tmp / "cut", logs, stages, stage_timeout=a.request_timeout,
+                         gpus=[g for g in a.gpus.split(",") if g])
             servers.append(srv)
             health = asyncio.run(srv.ready(a.startup_timeout))
             print(f"{config}: ready in {time.time() - t:.1f} s ({health})", flush=True)
