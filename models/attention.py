@@ -16,7 +16,7 @@ probabilities are 0 and its running maximum does not move). No score matrix is e
 
 Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
 id, are the same everywhere): on CUDA GPUs the Mosaic GPU kernel `models/attention_hopper.py`
-(bf16/f16, head_dim a multiple of 64: wgmma and TMA, for Hopper), else the Pallas Triton kernel
+(bf16/f16, head_dim 64 or 128: wgmma and TMA, for Hopper), else the Pallas Triton kernel
 `models/attention_pallas.py` (float32 programs, other head dims); `blockwise` below everywhere
 else. The choice within CUDA is by dtype and shape only, never by the device present, so a
 program traced without a GPU is the one that runs on it. `blockwise` is also the GPU kernels'

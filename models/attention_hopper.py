@@ -1,7 +1,7 @@
 """Chunked-prefill attention over a paged KV state: a Mosaic GPU kernel for Hopper (H200).
 
 The same function as `models/attention_pallas.py` (the Triton kernel, kept for float32 and for
-head dims that are not a multiple of 64), shaped like FlashAttention-3: tensor-core products
+head dims other than 64 and 128), shaped like FlashAttention-3: tensor-core products
 issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
 moves memory and two that compute, taking turns on the tensor cores.
 
@@ -29,7 +29,8 @@ rows of the value block past its last position (a page's unused slots, pages pas
 so stale pages may hold anything, NaN included. No split-K, no atomics: the same bits run after
 run.
 
-Requirements: bf16 or f16; D a multiple of 64 (at most 256); the rows of one sequence at
+Requirements: bf16 or f16; D 64 or 128 (with block_kv 128 and 2 steps, D 192 or 256 would need
+more than the 227 KiB of shared memory a CTA may have); the rows of one sequence at
 consecutive positions (as every prefill chunk has them): row `cu_seqlens[s] + i` at
 `positions[cu_seqlens[s]] + i`.
 
@@ -55,7 +56,7 @@ PAGE = 16
 def supports(q_dtype, head_dim: int) -> bool:
     """Whether this kernel takes the shape; the Triton kernel takes the rest."""
     return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
-        head_dim % 64 == 0 and head_dim <= 256
+        head_dim in (64, 128)
 
 
 def _segment(cu_ref, j, *, seqs, rows, tile):
@@ -304,7 +305,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if page != PAGE or two != 2 or dq != d or heads % kv_heads or kv.dtype != q.dtype:
         raise ValueError(f"bad shapes: kv {kv.shape} {kv.dtype}, q {q.shape} {q.dtype}")
     if not supports(q.dtype, d):
-        raise ValueError(f"the Hopper kernel takes bf16/f16 and head_dim % 64 == 0, not "
+        raise ValueError(f"the Hopper kernel takes bf16/f16 and head_dim 64 or 128, not "
                          f"{q.dtype}, {d}")
     if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
         raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
