@@ -39,7 +39,7 @@ class Recipe:
 @dataclasses.dataclass(frozen=True)
 class Report:
     """What a derive run held: its staging allocation, the widest live set of sources, the
-    derived bytes, and the most device bytes this run had live at once (measured)."""
+    derived bytes, and the most device bytes this run held after any call (measured)."""
 
     calls: int
     staging: int
@@ -109,9 +109,10 @@ def run(recipes: Sequence[Recipe], read: Callable[[list], dict], *, device=None,
 
 
 def _live_bytes(device) -> int:
-    """Bytes held on `device`: the allocator's peak where it reports one (GPUs), else the bytes of
-    every live array there (the CPU; a call's temporaries are not seen)."""
+    """Bytes held on `device` between calls: the allocator's count where it keeps one (GPUs),
+    else the bytes of every live array there. Both leave out a call's temporaries; the
+    allocator's lifetime peak would also count whatever the process held before."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "peak_bytes_in_use" in stats:
-        return stats["peak_bytes_in_use"]
+    if stats and "bytes_in_use" in stats:
+        return stats["bytes_in_use"]
     return sum(a.nbytes for a in jax.live_arrays() if device in a.devices())

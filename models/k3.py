@@ -31,6 +31,7 @@ the MLP (`gate_up`, `silu_mul`, `down_proj`) or `moe`, `next_input_norm`; then `
 from __future__ import annotations
 
 import dataclasses
+import functools
 import zlib
 
 import jax
@@ -40,7 +41,9 @@ import numpy as np
 from kernjax.trace import Program, Slot, call, trace
 
 from . import kda, mla, moe, mxfp4, seqstate
-from .qwen3 import linear, random_weight as _qwen3_random, rms
+from .qwen3 import (add_norm, argmax, embed, gate_up, input_norm, linear, lm_head,
+                    silu_mul)
+from .qwen3 import random_weight as _qwen3_random
 
 PAGE = 16
 FALLBACKS: dict[str, str] = {}
@@ -316,16 +319,6 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     eps = cfg.eps
     scale = mla.softmax_scale(nope, rope)
 
-    def embed(table, tokens):
-        return table[tokens]
-
-    def input_norm(h, w):
-        return rms(h, w, eps), h
-
-    def add_norm(y, h, w):
-        h = h + y
-        return rms(h, w, eps), h
-
     # ---- KDA ----
     def kda_proj(a, wq, wk, wv, wfa, wfb, wb, wga, wgb):
         qkv = jnp.concatenate([linear(a, wq), linear(a, wk), linear(a, wv)], axis=-1)
@@ -386,12 +379,6 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return o.reshape(rows, mh * vd)
 
     # ---- MLP / MoE ----
-    def gate_up(m, wg, wu):
-        return linear(m, wg), linear(m, wu)
-
-    def silu_mul(g, u):
-        return jax.nn.silu(g) * u
-
     def proj(x, w):
         return linear(x, w)
 
@@ -399,17 +386,14 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return moe.moe(m, w_router, bias, (p1, s1), (p2, s2), (sg, su, sd), top_k=cfg.top_k,
                        scale=cfg.routed_scale)
 
-    def lm_head(a, w, cu):
-        return linear(a[jnp.maximum(cu[1:] - 1, 0)], w)
-
-    def argmax(logits):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    input_norm_ = functools.partial(input_norm, eps=eps)
+    add_norm_ = functools.partial(add_norm, eps=eps)
 
     def forward(x):
         W_ = lambda n: x[f"model.{n}"]  # noqa: E731
         item = (x["positions"], x["cu_seqlens"], x["seq_slots"])
         h = call("embed", embed)(W_("embed_tokens.weight"), x["tokens"])
-        a, h = call("l0.input_norm", input_norm)(h, W_("layers.0.input_layernorm.weight"))
+        a, h = call("l0.input_norm", input_norm_)(h, W_("layers.0.input_layernorm.weight"))
         new = {}
         for i in range(L):
             p, c = f"layers.{i}.", f"l{i}."
@@ -434,7 +418,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
                 o = call(c + "o_norm", o_norm)(o, gate, W_(s + "o_norm.weight"))
                 new[f"conv.{i}"], new[f"kda.{i}"] = tail, st
             y = call(c + "o_proj", proj)(o, W_(s + "o_proj.weight"))
-            m, h = call(c + "post_attn_norm", add_norm)(y, h, W_(p + "post_attention_layernorm"
+            m, h = call(c + "post_attn_norm", add_norm_)(y, h, W_(p + "post_attention_layernorm"
                                                                  ".weight"))
             if i < cfg.dense_layers:
                 g, u = call(c + "gate_up", gate_up)(m, W_(p + "mlp.gate_proj.weight"),
@@ -449,7 +433,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
                       for k_ in ("packed", "scale")),
                     *(W_(e + f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down")))
             nxt = "norm.weight" if i == L - 1 else f"layers.{i + 1}.input_layernorm.weight"
-            a, h = call(c + "next_input_norm", add_norm)(y, h, W_(nxt))
+            a, h = call(c + "next_input_norm", add_norm_)(y, h, W_(nxt))
         logits = call("lm_head", lm_head)(a, x["lm_head.weight"], x["cu_seqlens"])
         tokens = call("argmax", argmax)(logits)
         return {"next_token": tokens, "logits": logits, **new}

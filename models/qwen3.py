@@ -21,6 +21,7 @@ head_dim before NeoX RoPE with cos/sin cast to the activation dtype, softmax in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -137,6 +138,38 @@ def linear(x, w):
     return jnp.einsum("...i,oi->...o", x, w, precision=exact(x.dtype))
 
 
+# Call bodies every dense block shares (k3.py uses them too); the norms take `eps` by partial.
+def embed(table, tokens):
+    return table[tokens]
+
+
+def input_norm(h, w, *, eps):
+    return rms(h, w, eps), h
+
+
+def add_norm(y, h, w, *, eps):
+    """The residual add, then the next RMSNorm: (normed, residual)."""
+    h = h + y
+    return rms(h, w, eps), h
+
+
+def gate_up(m, wg, wu):
+    return linear(m, wg), linear(m, wu)
+
+
+def silu_mul(g, u):
+    return jax.nn.silu(g) * u
+
+
+def lm_head(a, w, cu_seqlens):
+    """Logits of each sequence's last row of the chunk."""
+    return linear(a[jnp.maximum(cu_seqlens[1:] - 1, 0)], w)
+
+
+def argmax(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
             pages: int | None = None) -> Program:
     """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program.
@@ -177,12 +210,6 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     eps, scale = cfg.eps, 1.0 / math.sqrt(D)
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
 
-    def embed(table, tokens):
-        return table[tokens]
-
-    def input_norm(h, w):
-        return rms(h, w, eps), h
-
     def qkv_proj(a, wq, wk, wv):
         return (linear(a, wq).reshape(rows, H, D), linear(a, wk).reshape(rows, KV, D),
                 linear(a, wv).reshape(rows, KV, D))
@@ -213,30 +240,16 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     def o_proj(o, w):
         return linear(o, w)
 
-    def add_norm(y, h, w):
-        h = h + y
-        return rms(h, w, eps), h
-
-    def gate_up(m, wg, wu):
-        return linear(m, wg), linear(m, wu)
-
-    def silu_mul(g, u):
-        return jax.nn.silu(g) * u
-
     def down_proj(x, w):
         return linear(x, w)
 
-    def lm_head(a, w, cu_seqlens):
-        last = jnp.maximum(cu_seqlens[1:] - 1, 0)
-        return linear(a[last], w)
-
-    def argmax(logits):
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    input_norm_ = functools.partial(input_norm, eps=eps)
+    add_norm_ = functools.partial(add_norm, eps=eps)
 
     def forward(x):
         W = lambda n: x[f"model.{n}.weight"]  # noqa: E731
         h = call("embed", embed)(W("embed_tokens"), x["tokens"])
-        a, h = call("l0.input_norm", input_norm)(h, W("layers.0.input_layernorm"))
+        a, h = call("l0.input_norm", input_norm_)(h, W("layers.0.input_layernorm"))
         new = {}
         for i in range(L):
             p, c = f"layers.{i}.", f"l{i}."
@@ -248,12 +261,12 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
             kv = call(c + "kv_write", kv_write, state=1)(x[f"kv.{i}"], k, v, x["slots"])
             o = call(c + "attn", attn)(kv, q, x["positions"], x["cu_seqlens"], x["page_table"])
             y = call(c + "o_proj", o_proj)(o, W(p + "self_attn.o_proj"))
-            m, h = call(c + "post_attn_norm", add_norm)(y, h, W(p + "post_attention_layernorm"))
+            m, h = call(c + "post_attn_norm", add_norm_)(y, h, W(p + "post_attention_layernorm"))
             g, u = call(c + "gate_up", gate_up)(m, W(p + "mlp.gate_proj"), W(p + "mlp.up_proj"))
             f = call(c + "silu_mul", silu_mul)(g, u)
             y = call(c + "down_proj", down_proj)(f, W(p + "mlp.down_proj"))
             nxt = "norm" if i == L - 1 else f"layers.{i + 1}.input_layernorm"
-            a, h = call(c + "next_input_norm", add_norm)(y, h, W(nxt))
+            a, h = call(c + "next_input_norm", add_norm_)(y, h, W(nxt))
             new[f"kv.{i}"] = kv
         lm = x["lm_head.weight"] if not cfg.tied else W("embed_tokens")
         logits = call("lm_head", lm_head)(a, lm, x["cu_seqlens"])
