@@ -292,7 +292,7 @@ class Kernjax(JaxSystem):
         parts, info = self._parts_of(stages)
         return {"parts": parts, "shape": item_shape(program, self.fam.PAGE),
                 "state_slots": [sl for st in stages for sl in st.inputs if sl.role == "state"],
-                "extra": {"points": list(stages[0].points)},
+                "extra": {"points": list(stages[0].points), "jaxprs": [program.jaxpr]},
                 "info": {"trace_s": t_trace, "parts": info}}
 
 
@@ -310,7 +310,7 @@ class Unconstrained(JaxSystem):
                 return [out[n] for n, _ in outputs]
 
             compiled, times = _compile(flat, [sl.spec() for sl in inputs], _donate(inputs))
-        shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows), self.fam.PAGE)
+        shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows, slots=0), self.fam.PAGE)
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))], "shape": shape,
                 "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
                 "info": {"trace_s": t_trace, "parts": [{"export_s": 0.0, **times}]}}
@@ -908,6 +908,8 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                       "self_diff": None if self_diff is None else
                       {"chunk": self_diff[0], "max_abs": self_diff[1]},
                       "chunk_first": label}
+            if args.profile and not sysobj.torch:
+                detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
             history.append((s, "one pass" if rows == s else label, statistics.median(times)))
             res.add_row(name, s, label, ms, detail)
@@ -932,6 +934,30 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
             h = None
             gc.collect()
         res.write()
+
+
+def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
+    """One more prefill of the row under `jax.profiler.trace`: its GPU time by call
+    (experiments/gpuprofile.py), printed, and written to `out/profile-<stem>.json` (the
+    optimized HLO of its parts to `out/hlo-<stem>.txt`)."""
+    import gpuprofile as kprofile  # experiments/gpuprofile.py, this script's directory
+
+    tmp = tempfile.mkdtemp(prefix="prefill-trace-")
+    try:
+        sysobj.reset(h)
+        with jax.profiler.trace(tmp):
+            sysobj.prefill(h)
+        texts = [p.fn.as_text() for p in h.parts]
+        prof = kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))
+        (out / f"hlo-{stem}.txt").write_text("\n\n".join(texts))
+    except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
+        say(f"{tag}: profile failed: {one_line(e)}")
+        return None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (out / f"profile-{stem}.json").write_text(json.dumps(prof, indent=1) + "\n")
+    say(f"{tag}: profile\n{kprofile.table(prof)}")
+    return {k: v for k, v in prof.items() if k != "top_kernels"}
 
 
 def sysobj_context(sysobj, s, rows):
@@ -960,6 +986,9 @@ def parse_args(argv=None):
                     "once with the largest prompt's context and shared by all prompts)")
     ap.add_argument("--plain_attention", default="auto",
                     help="jax-plain's implementation: auto (cudnn, xla on the CPU), cudnn, xla")
+    ap.add_argument("--profile", action="store_true",
+                    help="after each JAX row, one more prefill under jax.profiler.trace: GPU "
+                    "time by call (experiments/gpuprofile.py), printed and in profile-*.json")
     ap.add_argument("--peak", type=float, default=PEAK, help="peak FLOP/s for MFU")
     ap.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after kernjax's own")
     ap.add_argument("--replot", metavar="DIR", help="only rewrite DIR's README.md and mfu.png from "

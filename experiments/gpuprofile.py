@@ -1,0 +1,200 @@
+"""Where a compiled program's GPU time goes: kernel by kernel from a JAX profile, grouped by call.
+
+`experiments/prefill.py --profile` runs one more prefill of a row under `jax.profiler.trace` and
+hands the trace and the compiled parts to `summarize`:
+
+- every kernel the GPU ran (CUPTI, the device planes of the trace's xplane), with the HLO
+  instruction that launched it (the `hlo_op` stat, or the kernel's own name, which XLA takes from
+  its fusion);
+- an instruction's call is read from the optimized HLO (`compiled.as_text()`): its metadata
+  `op_name` holds the name stack, in which a kernjax call is `jit(<call name>)`;
+- grouped by the call's name without its layer (`l7.gate_up` -> `gate_up`), with the GEMM FLOPs
+  of that kind of call (from the jaxpr's `dot_general`s) when the program is a kernjax program,
+  so a call's TFLOP/s is on the table;
+- and the timeline: the span from the first kernel's start to the last one's end against the sum
+  of kernel times, so idle GPU time (launches, host waits) shows as the difference.
+
+Kernels are also grouped by kind (`gemm` for cuBLAS/CUTLASS, `attention` for the attention
+kernels, `fusion` for XLA's own, `copy`/`memset`, `other`).
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import re
+
+_CALL = re.compile(r"jit\(((?:l\d+\.)?[A-Za-z_][\w.]*)\)")
+_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$")
+_OPNAME = re.compile(r"op_name=\"([^\"]*)\"")
+_TO_APPLY = re.compile(r"to_apply=%?([\w.\-]+)")
+_LAYER = re.compile(r"^l\d+\.")
+
+
+def kind_of(kernel: str) -> str:
+    k = kernel.lower()
+    if any(s in k for s in ("gemm", "xmma", "cutlass", "cublas", "sm90_", "nvjet", "wgmma_")):
+        return "gemm"
+    if any(s in k for s in ("attention", "attn", "mosaic", "flash", "fmha")):
+        return "attention"
+    if "memcpy" in k or "copy" in k:
+        return "copy"
+    if "memset" in k:
+        return "memset"
+    if "fusion" in k or k.startswith(("loop_", "input_", "triton")):
+        return "fusion"
+    return "other"
+
+
+def kernels(trace_dir: str) -> list[dict]:
+    """The GPU kernels of the newest xplane under `trace_dir`: name, hlo_op, start, duration
+    (on the CPU backend, where there is no device plane, the thunks XLA ran)."""
+    from jax._src.lib import _profile_data
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not files:
+        raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
+    data = _profile_data.ProfileData.from_file(files[-1])
+    planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
+    host = not planes  # the CPU backend: its thunks, the events with an `hlo_op`
+    out = []
+    for plane in planes or data.planes:
+        for line in plane.lines:
+            for e in line.events:
+                st = dict(e.stats)
+                if host and "hlo_op" not in st:
+                    continue
+                out.append({"name": e.name, "hlo_op": st.get("hlo_op"), "plane": plane.name,
+                            "stream": line.name, "start_ns": e.start_ns, "ns": e.duration_ns})
+    return out
+
+
+def call_of_ops(hlo_texts, names=()) -> dict[str, tuple[str, bool]]:
+    """HLO instruction name -> (its kernjax call or `-`, whether it sits in the entry computation).
+
+    On a GPU a call's body is inlined and its ops carry `jit(<call>)` in their op_name; on the
+    CPU a call is an HLO `call` of a computation named after it, and the ops inside belong to it.
+    `names`, the program's call names, picks the call among the jit scopes (helpers such as
+    `jit(_where)` are scopes too); without them (an unconstrained program) every op is `-`.
+    """
+    known = set(names)
+    out: dict = {}
+    for text in hlo_texts:
+        comp, entry = None, False
+        for line in text.splitlines():
+            head = _COMP.match(line)
+            if head:
+                entry, comp = bool(head.group(1)), head.group(2)
+                continue
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            instr, rest = m.group(1), m.group(2)
+            op = _OPNAME.search(rest)
+            scopes = [c for c in _CALL.findall(op.group(1))] if op else []
+            scopes = [c for c in scopes if c in known]
+            to = _TO_APPLY.search(rest) if " call(" in rest else None
+            to = re.sub(r"\.\d+$", "", to.group(1)) if to else None
+            base = re.sub(r"\.\d+$", "", comp or "")
+            call = (scopes[-1] if scopes else to if to in known else
+                    base if base in known and not entry else "-")
+            out[instr] = (call, entry)
+    return out
+
+
+def gemm_flops(closed_jaxprs) -> dict[str, float]:
+    """Call kind -> FLOPs of its `dot_general`s, summed over every call of that kind."""
+    import numpy as np
+
+    def dots(jaxpr) -> float:
+        f = 0.0
+        for e in jaxpr.eqns:
+            if e.primitive.name == "dot_general":
+                (lc, _), (lb, _) = e.params["dimension_numbers"]
+                a = e.invars[0].aval.shape
+                k = np.prod([a[i] for i in lc]) if lc else 1
+                f += 2.0 * np.prod(e.outvars[0].aval.shape) * k
+            for sub in _subjaxprs(e):
+                f += dots(sub)
+        return f
+
+    out: dict = collections.defaultdict(float)
+    for cj in closed_jaxprs:
+        for e in cj.jaxpr.eqns:
+            if e.primitive.name == "jit" and "name" in e.params:
+                out[_LAYER.sub("", e.params["name"])] += dots(e.params["jaxpr"].jaxpr)
+    return dict(out)
+
+
+def _subjaxprs(e):
+    for v in e.params.values():
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if hasattr(x, "jaxpr") and hasattr(x.jaxpr, "eqns"):
+                yield x.jaxpr
+            elif hasattr(x, "eqns"):
+                yield x
+
+
+def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
+    ks = kernels(trace_dir)
+    names = [e.params["name"] for cj in closed_jaxprs for e in cj.jaxpr.eqns if "name" in e.params]
+    ops = call_of_ops(hlo_texts, names)
+    if ks and not ks[0]["plane"].startswith("/device"):
+        # host thunks nest (a call's thunk spans those of its body): keep the entry's alone
+        ks = [k for k in ks if ops.get(k["hlo_op"], ("-", True))[1]]
+    flops = gemm_flops(closed_jaxprs)
+    by_call: dict = collections.defaultdict(lambda: {"ns": 0, "kernels": 0, "gemm_ns": 0})
+    by_kind: dict = collections.defaultdict(lambda: {"ns": 0, "kernels": 0})
+    top: dict = collections.defaultdict(lambda: {"ns": 0, "n": 0})
+    for k in ks:
+        op = k["hlo_op"] or k["name"]
+        call = _LAYER.sub("", ops.get(op, ("?", True))[0])
+        kind = kind_of(k["name"])
+        c = by_call[call]
+        c["ns"] += k["ns"]
+        c["kernels"] += 1
+        c["gemm_ns"] += k["ns"] if kind == "gemm" else 0
+        by_kind[kind]["ns"] += k["ns"]
+        by_kind[kind]["kernels"] += 1
+        t = top[(k["name"][:90], call)]
+        t["ns"] += k["ns"]
+        t["n"] += 1
+    busy = sum(k["ns"] for k in ks)
+    span = (max(k["start_ns"] + k["ns"] for k in ks) - min(k["start_ns"] for k in ks)) if ks else 0
+    calls = []
+    for name, c in sorted(by_call.items(), key=lambda kv: -kv[1]["ns"]):
+        row = {"call": name, "ms": c["ns"] / 1e6, "share": c["ns"] / busy if busy else 0.0,
+               "kernels": c["kernels"], "gemm_ms": c["gemm_ns"] / 1e6}
+        if flops.get(name):
+            row["gemm_tflops"] = flops[name] / 1e12
+            row["tflop_s"] = flops[name] / (c["ns"] / 1e9) / 1e12 if c["ns"] else 0.0
+        calls.append(row)
+    return {
+        "kernels": len(ks), "busy_ms": busy / 1e6, "span_ms": span / 1e6,
+        "idle_ms": (span - busy) / 1e6,
+        "unattributed_ms": sum(c["ms"] for c in calls if c["call"] in ("?", "-")),
+        "calls": calls,
+        "kinds": {k: {"ms": v["ns"] / 1e6, "kernels": v["kernels"]} for k, v in
+                  sorted(by_kind.items(), key=lambda kv: -kv[1]["ns"])},
+        "top_kernels": [{"kernel": n, "call": c, "ms": v["ns"] / 1e6, "n": v["n"]} for (n, c), v in
+                        sorted(top.items(), key=lambda kv: -kv[1]["ns"])[:25]],
+    }
+
+
+def table(p: dict) -> str:
+    lines = [f"kernels {p['kernels']}, busy {p['busy_ms']:.2f} ms, span {p['span_ms']:.2f} ms "
+             f"(idle {p['idle_ms']:.2f} ms), unattributed {p['unattributed_ms']:.2f} ms",
+             "| call | ms | share | kernels | GEMM ms | GEMM TFLOP | TFLOP/s |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for c in p["calls"]:
+        lines.append(f"| {c['call']} | {c['ms']:.3f} | {100 * c['share']:.1f} % | {c['kernels']} "
+                     f"| {c['gemm_ms']:.3f} | "
+                     + (f"{c['gemm_tflops']:.3g} | {c['tflop_s']:.0f} |" if "tflop_s" in c
+                        else "- | - |"))
+    lines.append("kinds: " + ", ".join(f"{k} {v['ms']:.2f} ms ({v['kernels']})"
+                                       for k, v in p["kinds"].items()))
+    lines.append("top kernels:")
+    lines += [f"  {t['ms']:8.3f} ms  x{t['n']:<4d} {t['call']:<16s} {t['kernel']}"
+              for t in p["top_kernels"][:15]]
+    return "\n".join(lines)

@@ -1,0 +1,53 @@
+"""The prefill benchmark (`experiments/prefill.py`) runs every JAX system on the CPU, and its
+`--profile` gives each kernjax row's time by call.
+
+A benchmark that fails on the device costs a device call: this runs the same code on qwen3-tiny
+first. It checks that no row failed, that the four JAX systems agree on the next token and on the
+last row's logits (kernjax whole and 2 stages bit for bit), and that the profile of a kernjax row
+puts its time on the program's calls (the attention among them), not on "unattributed".
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
+    out = tmp_path / "prefill"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+         "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--profile", "--systems",
+         "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain", "--out", str(out)],
+        env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["errors"] == [], data["errors"]
+    got = {(x["system"], x["chunk"]) for x in data["rows"]}
+    want = {(s, c) for s in ("kernjax", "kernjax-2stages", "kernjax-unconstrained")
+            for c in ("32", "whole")} | {("jax-plain", "whole")}
+    assert {(s, str(c)) for s, c in got} == want
+    details = {(d["system"], str(d["chunk"])): d for d in data["details"]}
+    tokens = {d["token"] for d in details.values()}
+    assert len(tokens) == 1, tokens
+    for key in want - {("jax-plain", "whole")}:
+        assert details[key]["logits_diff"] is not None and details[key]["logits_diff"] < 0.05
+    # the stages compute what the whole computes
+    assert details[("kernjax", "32")]["logits_diff"] == details[("kernjax-2stages", "32")]["logits_diff"]
+
+    prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
+    calls = {c["call"]: c for c in prof["calls"]}
+    assert prof["kernels"] > 0 and prof["busy_ms"] > 0
+    assert "attn" in calls and "gate_up" in calls, sorted(calls)
+    assert prof["unattributed_ms"] <= 0.1 * prof["busy_ms"], prof["unattributed_ms"]
+    # the GEMM FLOPs of a kind of call, over its layers: gate_up is 2 GEMMs of rows x hidden x
+    # intermediate in each of qwen3-tiny's 4 layers (a chunk of 32 rows)
+    assert np.isclose(calls["gate_up"]["gemm_tflops"], 4 * 2 * (2 * 32 * 64 * 128) / 1e12)
+    assert "profile" in details[("kernjax", "32")]
+    assert (out / "hlo-kernjax-64-32.txt").stat().st_size > 0
