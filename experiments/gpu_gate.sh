@@ -9,7 +9,8 @@
 #   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
 #              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
-#   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/)
+#   prefill    experiments/prefill.py --profile: the prefill benchmark (results under $OUT/prefill/,
+#              each JAX row's time by call in logs/profiles/)
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
@@ -29,7 +30,8 @@ export KERNJAX_COMMIT=${KERNJAX_COMMIT:-}
 CHUNKS=${CHUNKS:-"512 64"}
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
 say() { tee -a "$OUT/gate.log"; }
-pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs; }
+# The device tool brings back 8 files: the logs travel packed, and only the packed copy stays.
+pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"; }
 trap pack EXIT
 
 {
@@ -113,7 +115,8 @@ for step in "$@"; do
     done ;;
   prefill)
     log "prefill benchmark"
-    python experiments/prefill.py --out "$OUT/prefill" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+    python experiments/prefill.py --out "$OUT/prefill" --profile ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+    mkdir -p "$OUT/logs/profiles" && mv "$OUT"/prefill/profile-*.json "$OUT/logs/profiles/" 2>/dev/null
     tail -40 "$OUT/logs/prefill.log" | say ;;
   *) echo "unknown step $step" | say ;;
   esac

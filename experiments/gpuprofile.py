@@ -42,7 +42,7 @@ def kind_of(kernel: str) -> str:
         return "copy"
     if "memset" in k:
         return "memset"
-    if "fusion" in k or k.startswith(("loop_", "input_", "triton")):
+    if "fusion" in k or k.startswith(("loop_", "input_", "wrapped_", "triton")):
         return "fusion"
     return "other"
 
@@ -70,8 +70,11 @@ def kernels(trace_dir: str) -> list[dict]:
     return out
 
 
-def call_of_ops(hlo_texts, names=()) -> dict[str, tuple[str, bool]]:
-    """HLO instruction name -> (its kernjax call or `-`, whether it sits in the entry computation).
+def call_of_ops(hlo_texts, names=()) -> tuple[dict, list]:
+    """`(ops, order)`: HLO instruction name -> (its kernjax call or `-`, whether it sits in the
+    entry computation); and per module, its entry's instructions in schedule order as
+    `(name, call, launches)` (`launches`: a custom call, such as a cuBLAS GEMM or a Mosaic or
+    Triton kernel, whose kernel is not named after it).
 
     On a GPU a call's body is inlined and its ops carry `jit(<call>)` in their op_name; on the
     CPU a call is an HLO `call` of a computation named after it, and the ops inside belong to it.
@@ -80,8 +83,10 @@ def call_of_ops(hlo_texts, names=()) -> dict[str, tuple[str, bool]]:
     """
     known = set(names)
     out: dict = {}
+    order: list = []
     for text in hlo_texts:
         comp, entry = None, False
+        order.append([])
         for line in text.splitlines():
             head = _COMP.match(line)
             if head:
@@ -100,6 +105,48 @@ def call_of_ops(hlo_texts, names=()) -> dict[str, tuple[str, bool]]:
             call = (scopes[-1] if scopes else to if to in known else
                     base if base in known and not entry else "-")
             out[instr] = (call, entry)
+            if entry:
+                order[-1].append((instr, call, " custom-call(" in rest))
+    return out, order
+
+
+def sanitized(name: str) -> str:
+    """An HLO instruction's name as XLA:GPU names the kernel it emits (`fusion.3` -> `fusion_3`)."""
+    return re.sub(r"[^\w]", "_", name)
+
+
+def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
+    """Each kernel's call. A kernel with an `hlo_op` (or named after its instruction, as XLA's
+    fusions are) is that instruction's. One that is neither (a cuBLAS GEMM, a Mosaic or Triton
+    kernel: the trace may carry no `hlo_op` when XLA runs its thunks as CUDA graphs) is the next
+    custom call after the last named kernel's instruction, in the module's schedule; a memset is
+    its neighbour's."""
+    where = {}
+    for m, seq in enumerate(order):
+        for i, (name, _, _) in enumerate(seq):
+            where.setdefault(name, (m, i))
+            where.setdefault(sanitized(name), (m, i))
+    out, at, last = [], None, "?"
+    for k in ks:
+        key = k["hlo_op"] or k["name"]
+        if key in ops:
+            call = ops[key][0]
+            at = where.get(key, at)
+        elif key in where:
+            at = where[key]
+            call = order[at[0]][at[1]][1]
+        elif kind_of(k["name"]) == "memset" or at is None:
+            call = last
+        else:
+            m, i = at
+            seq = order[m]
+            j = next((j for j in range(i + 1, len(seq)) if seq[j][2]), None)
+            if j is None:
+                call = "?"
+            else:
+                call, at = seq[j][1], (m, j)
+        out.append(call)
+        last = call
     return out
 
 
@@ -139,17 +186,18 @@ def _subjaxprs(e):
 def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
     ks = kernels(trace_dir)
     names = [e.params["name"] for cj in closed_jaxprs for e in cj.jaxpr.eqns if "name" in e.params]
-    ops = call_of_ops(hlo_texts, names)
+    ops, order = call_of_ops(hlo_texts, names)
     if ks and not ks[0]["plane"].startswith("/device"):
         # host thunks nest (a call's thunk spans those of its body): keep the entry's alone
         ks = [k for k in ks if ops.get(k["hlo_op"], ("-", True))[1]]
+    ks.sort(key=lambda k: k["start_ns"])
+    of = attribute(ks, ops, order)
     flops = gemm_flops(closed_jaxprs)
     by_call: dict = collections.defaultdict(lambda: {"ns": 0, "kernels": 0, "gemm_ns": 0})
     by_kind: dict = collections.defaultdict(lambda: {"ns": 0, "kernels": 0})
     top: dict = collections.defaultdict(lambda: {"ns": 0, "n": 0})
-    for k in ks:
-        op = k["hlo_op"] or k["name"]
-        call = _LAYER.sub("", ops.get(op, ("?", True))[0])
+    for k, call in zip(ks, of):
+        call = _LAYER.sub("", call)
         kind = kind_of(k["name"])
         c = by_call[call]
         c["ns"] += k["ns"]

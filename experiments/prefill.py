@@ -938,8 +938,7 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
 
 def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
     """One more prefill of the row under `jax.profiler.trace`: its GPU time by call
-    (experiments/gpuprofile.py), printed, and written to `out/profile-<stem>.json` (the
-    optimized HLO of its parts to `out/hlo-<stem>.txt`)."""
+    (experiments/gpuprofile.py), printed, and written to `out/profile-<stem>.json`."""
     import gpuprofile as kprofile  # experiments/gpuprofile.py, this script's directory
 
     tmp = tempfile.mkdtemp(prefix="prefill-trace-")
@@ -949,7 +948,6 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
             sysobj.prefill(h)
         texts = [p.fn.as_text() for p in h.parts]
         prof = kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))
-        (out / f"hlo-{stem}.txt").write_text("\n\n".join(texts))
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
         say(f"{tag}: profile failed: {one_line(e)}")
         return None

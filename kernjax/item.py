@@ -70,7 +70,10 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
                          f"and {shape.seqs} sequences")
     tokens = np.zeros(rows, np.int32)
     positions = np.zeros(rows, np.int32)
-    slots = np.full(rows, shape.pages * shape.page, np.int32)
+    # A padding row's slot is past the state (dropped), and one of its own, so that every
+    # item's slots are distinct and the KV write may promise unique indices (a plain store on a
+    # GPU, not an atomic one).
+    slots = shape.pages * shape.page + np.arange(rows, dtype=np.int32)
     cu = np.full(shape.seqs + 1, n, np.int32)
     seq_slots = np.full(shape.seqs, shape.slots, np.int32)
     table = np.zeros((shape.seqs, shape.width), np.int32)

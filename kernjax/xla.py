@@ -10,11 +10,18 @@ every process of a cut, and compiled programs kept across restarts.
   fusion times it and writes its choice, every later one reads it. Processes compile under an
   exclusive file lock (`compile_lock`), so two stages started together never time the same
   fusion at once.
+- **No dot merging.** XLA's `dot_merger` pass turns two GEMMs that share an operand (gate and
+  up, q, k and v) into one over the weights concatenated, when the product is under 16 M
+  elements: a chunk of 512 rows is, 8192 rows are not. The weights are parameters, so the
+  concatenation is a copy of ~100 MB of weights in every layer of every chunk (18 % of an 8k
+  prefill in chunks of 512 on an H200, docs/bitwise.md), and the merged product's slices are
+  copies too where a call boundary keeps them apart. kernjax turns the
+  pass off (`--xla_disable_hlo_passes=dot_merger`).
 - **Compiled programs, kept.** JAX's persistent compilation cache (`.../xla/jax`) holds every
   program that took over a second to compile (`jax/` under `cache_root()`), so a restarted stage
   loads instead of compiling.
 
-Either cache is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE_DIR`).
+Each is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE_DIR`).
 """
 
 from __future__ import annotations
@@ -46,7 +53,9 @@ def configure() -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     if "autotune_cache_dir" not in flags:
         flags += f" --xla_gpu_per_fusion_autotune_cache_dir={autotune_dir()}"
-        os.environ["XLA_FLAGS"] = flags.strip()
+    if "xla_disable_hlo_passes" not in flags:
+        flags += " --xla_disable_hlo_passes=dot_merger"
+    os.environ["XLA_FLAGS"] = flags.strip()
     import jax
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:

@@ -66,7 +66,8 @@ def write(state, c_kv, k_pe, slots):
     pages = state.shape[0]
     flat = state.reshape(pages * PAGE, state.shape[-1])
     row = jnp.concatenate([c_kv, k_pe], axis=-1).astype(state.dtype)
-    return flat.at[slots].set(row, mode="drop").reshape(state.shape)
+    # distinct slots (kernjax.item): a plain store per row on a GPU
+    return flat.at[slots].set(row, mode="drop", unique_indices=True).reshape(state.shape)
 
 
 def _split_w(w_kv_b, heads: int, nope: int, kv_lora: int):

@@ -229,8 +229,11 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return rot(q), rot(k)
 
     def kv_write(kv, k, v, slots):
+        # Slots are distinct (kernjax.item), so the scatters promise unique indices: a GPU
+        # stores each row once, no atomics. K and V go separately: no stacked copy.
         flat = kv.reshape(pages * PAGE, 2, KV, D)
-        flat = flat.at[slots].set(jnp.stack([k, v], axis=1), mode="drop")
+        flat = flat.at[slots, 0].set(k, mode="drop", unique_indices=True)
+        flat = flat.at[slots, 1].set(v, mode="drop", unique_indices=True)
         return flat.reshape(kv.shape)
 
     def attn(kv, q, positions, cu_seqlens, page_table):

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+import gpuprofile  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -50,4 +53,37 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     # intermediate in each of qwen3-tiny's 4 layers (a chunk of 32 rows)
     assert np.isclose(calls["gate_up"]["gemm_tflops"], 4 * 2 * (2 * 32 * 64 * 128) / 1e12)
     assert "profile" in details[("kernjax", "32")]
-    assert (out / "hlo-kernjax-64-32.txt").stat().st_size > 0
+
+
+HLO = """HloModule jit_run, is_scheduled=true
+
+%fused_computation.1 (p: bf16[8]) -> bf16[8] {
+  %p = bf16[8]{0} parameter(0)
+  ROOT %m = bf16[8]{0} multiply(%p, %p), metadata={op_name="jit(run)/jit(l0.input_norm)/mul"}
+}
+
+ENTRY %main (a: bf16[8]) -> bf16[8] {
+  %a = bf16[8]{0} parameter(0)
+  %loop_multiply_fusion.1 = bf16[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(call)/call_exported/jit(jaxpr_as_fun)/jit(l0.input_norm)/mul"}
+  %custom-call.2 = (bf16[8]{0}, s8[4]{0}) custom-call(%loop_multiply_fusion.1), custom_call_target="__cublas$gemm", metadata={op_name="jit(call)/call_exported/jit(jaxpr_as_fun)/jit(l0.qkv_proj)/jit(_where)/dot_general"}
+  %wrapped_add = bf16[8]{0} fusion(%a), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(call)/call_exported/jit(jaxpr_as_fun)/jit(l0.q_norm)/add"}
+  %custom-call.3 = bf16[8]{0} custom-call(%wrapped_add), custom_call_target="mosaic_gpu", metadata={op_name="jit(call)/call_exported/jit(jaxpr_as_fun)/jit(l0.attn)/pallas_call"}
+  ROOT %custom-call.4 = (bf16[8]{0}, s8[4]{0}) custom-call(%custom-call.3), custom_call_target="__cublas$gemm", metadata={op_name="jit(call)/call_exported/jit(jaxpr_as_fun)/jit(l0.o_proj)/dot_general"}
+}
+"""
+
+
+def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
+    """As on a GPU: fusion kernels are named after their instruction (`.` -> `_`), while cuBLAS
+    and Mosaic kernels are not and carry no `hlo_op`: they take the next custom call after the
+    last named kernel, in the entry's schedule, twice over (a chunk program runs again)."""
+    names = ["l0.input_norm", "l0.qkv_proj", "l0.q_norm", "l0.attn", "l0.o_proj"]
+    ops, order = gpuprofile.call_of_ops([HLO], names)
+    assert ops["custom-call.2"] == ("l0.qkv_proj", True)  # the call, not the helper jit(_where)
+    assert ops["m"] == ("l0.input_norm", False)  # inside a fused computation: not in the entry
+    run = ["loop_multiply_fusion_1", "nvjet_sm90_tst_128x128", "memset32", "wrapped_add",
+           "_lambda__mosaic_gpu_kernel", "nvjet_sm90_tss_64x64"]
+    ks = [{"name": n, "hlo_op": None} for n in run * 2]
+    got = gpuprofile.attribute(ks, ops, order)
+    want = ["l0.input_norm", "l0.qkv_proj", "l0.qkv_proj", "l0.q_norm", "l0.attn", "l0.o_proj"]
+    assert got == want * 2
