@@ -126,15 +126,21 @@ def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
         for i, (name, _, _) in enumerate(seq):
             where.setdefault(name, (m, i))
             where.setdefault(sanitized(name), (m, i))
+
+    def lookup(key):
+        if key in where:
+            m, i = where[key]
+            return order[m][i][1], (m, i)
+        if key in ops:
+            return ops[key][0], None
+        return None
+
     out, at, last = [], None, "?"
     for k in ks:
-        key = k["hlo_op"] or k["name"]
-        if key in ops:
-            call = ops[key][0]
-            at = where.get(key, at)
-        elif key in where:
-            at = where[key]
-            call = order[at[0]][at[1]][1]
+        hit = next((h for h in map(lookup, (k["hlo_op"], k["name"])) if h), None)
+        if hit:
+            call, pos = hit
+            at = pos or at
         elif kind_of(k["name"]) == "memset" or at is None:
             call = last
         else:
@@ -225,6 +231,8 @@ def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
         "calls": calls,
         "kinds": {k: {"ms": v["ns"] / 1e6, "kernels": v["kernels"]} for k, v in
                   sorted(by_kind.items(), key=lambda kv: -kv[1]["ns"])},
+        "sample": [{"name": k["name"][:60], "hlo_op": k["hlo_op"]} for k in ks[:12]],
+        "hlo_names": [n for seq in order for n, _, _ in seq[:12]],
         "top_kernels": [{"kernel": n, "call": c, "ms": v["ns"] / 1e6, "n": v["n"]} for (n, c), v in
                         sorted(top.items(), key=lambda kv: -kv[1]["ns"])[:25]],
     }

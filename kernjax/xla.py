@@ -10,13 +10,13 @@ every process of a cut, and compiled programs kept across restarts.
   fusion times it and writes its choice, every later one reads it. Processes compile under an
   exclusive file lock (`compile_lock`), so two stages started together never time the same
   fusion at once.
-- **No dot merging.** XLA's `dot_merger` pass turns two GEMMs that share an operand (gate and
+- **No dot merging.** XLA's dot merger pass turns two GEMMs that share an operand (gate and
   up, q, k and v) into one over the weights concatenated, when the product is under 16 M
   elements: a chunk of 512 rows is, 8192 rows are not. The weights are parameters, so the
   concatenation is a copy of ~100 MB of weights in every layer of every chunk (18 % of an 8k
   prefill in chunks of 512 on an H200, docs/bitwise.md), and the merged product's slices are
   copies too where a call boundary keeps them apart. kernjax turns the
-  pass off (`--xla_disable_hlo_passes=dot_merger`).
+  pass off (`--xla_disable_hlo_passes=dot-merger`: the pass's name, not its class's).
 - **Compiled programs, kept.** JAX's persistent compilation cache (`.../xla/jax`) holds every
   program that took over a second to compile (`jax/` under `cache_root()`), so a restarted stage
   loads instead of compiling.
@@ -54,7 +54,7 @@ def configure() -> None:
     if "autotune_cache_dir" not in flags:
         flags += f" --xla_gpu_per_fusion_autotune_cache_dir={autotune_dir()}"
     if "xla_disable_hlo_passes" not in flags:
-        flags += " --xla_disable_hlo_passes=dot_merger"
+        flags += " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
     import jax
 
