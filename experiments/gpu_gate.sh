@@ -9,13 +9,18 @@
 #   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
 #              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
-#   prefill    experiments/prefill.py --profile: the prefill benchmark (results under $OUT/prefill/,
-#              each JAX row's time by call in logs/profiles/)
+#   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
+#              rows of $PROFILE (8192) profiled and their kernjax programs compiled again by a
+#              second process ($SECOND_START, 8192); the profiles in logs/profiles/
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
-# A device call may run 10 minutes; a session has 30. The final gates fit three calls:
-#   TEST_SECONDS=330 gpu_gate.sh tests k3 ;  CHUNKS="512 64" gpu_gate.sh chain calls ;
+# A device call may run 10 minutes; a session has 30 and each call's build takes ~50 s. Measured
+# on one H200 (2026-11-30): the GPU test files ~430 s together, the 3 chains ~170 s at chunk 512
+# and ~140 s at chunk 64 (warm caches), the prefill benchmark wants ~450 s. The final gates in
+# three calls (the test files split in two halves, A and B):
+#   TEST_SECONDS=230 TESTS="A" CHUNKS=512 gpu_gate.sh tests chain
+#   TEST_SECONDS=210 TESTS="B" CHUNKS=64 gpu_gate.sh tests chain
 #   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
@@ -115,7 +120,8 @@ for step in "$@"; do
     done ;;
   prefill)
     log "prefill benchmark"
-    python experiments/prefill.py --out "$OUT/prefill" --profile ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+    python experiments/prefill.py --out "$OUT/prefill" --profile "${PROFILE:-8192}" \
+      --second_start "${SECOND_START:-8192}" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
     mkdir -p "$OUT/logs/profiles" && mv "$OUT"/prefill/profile-*.json "$OUT/logs/profiles/" 2>/dev/null
     tail -40 "$OUT/logs/prefill.log" | say ;;
   *) echo "unknown step $step" | say ;;

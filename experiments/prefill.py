@@ -629,10 +629,10 @@ class Results:
                          f"{r['tok_s']:.0f} | {100 * r['mfu']:.2f} |")
         return "\n".join(lines)
 
-    def compile_table(self) -> str:
+    def compile_table(self, key: str = "compile") -> str:
         lines = ["| system | prompt | rows | context | trace s | export s | lower s | XLA compile s "
                  "| total s | first prefill s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for c in self.data["compile"]:
+        for c in self.data.get(key, []):
             col = {k: " + ".join(f"{p.get(k, 0.0):.1f}" for p in c["parts"])
                    for k in ("export_s", "lower_s", "xla_s")}
             lines.append(f"| {c['system']} | {c['prompt']} | {c['rows']} | {c['context']} | "
@@ -698,6 +698,12 @@ class Results:
                   "kernjax-unconstrained and jax-plain) and XLA's `compile` of each part "
                   "(kernjax-2stages: stage 0 + stage 1); then the first (warm-up) prefill after "
                   "it. transformers compiles nothing; its first prefill is its warm-up.", "", self.compile_table(), ""]
+        if d.get("compile_second"):
+            lines += ["Second start (`--second_start`): the same kernjax programs built again by a "
+                      "new process (`--compile_only`) with this run's caches, as a restarted stage "
+                      "builds them: tracing and export again, XLA's compile read from JAX's "
+                      "persistent compilation cache (nothing run, so no first prefill).", "",
+                      self.compile_table("compile_second"), ""]
         lines += ["## How it was measured", "",
                   "- One prompt of S random tokens (seed 0, the same for every system), one "
                   "sequence per item, page ids 1..S/16. A chunk >= S is S: one pass of S rows; "
@@ -868,6 +874,11 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
         h = None
         try:
             h, info = sysobj.prepare(s, rows)
+            if args.compile_only:
+                if info is not None:
+                    res.add_compile(name, s, rows, sysobj_context(sysobj, s, rows), info, 0.0)
+                    say(f"{tag}: compiled in {res.data['compile'][-1]['total_s']:.1f} s")
+                continue
             sysobj.reset(h)
             t = time.perf_counter()
             token, logits = sysobj.prefill(h)
@@ -908,7 +919,7 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                       "self_diff": None if self_diff is None else
                       {"chunk": self_diff[0], "max_abs": self_diff[1]},
                       "chunk_first": label}
-            if args.profile and not sysobj.torch:
+            if s in args.profile and not sysobj.torch:
                 detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
             history.append((s, "one pass" if rows == s else label, statistics.median(times)))
@@ -958,6 +969,38 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
     return {k: v for k, v in prof.items() if k != "top_kernels"}
 
 
+def second_start(args, res: Results) -> None:
+    """Compiles the kernjax and kernjax-2stages programs of `--second_start`'s prompts again in a
+    new process with this run's caches (XLA's autotune results, JAX's persistent compilation
+    cache): what a restarted stage pays. Recorded as `compile_second`."""
+    systems = [x for x in ("kernjax", "kernjax-2stages") if x in args.systems]
+    if not systems:
+        return
+    out = Path(tempfile.mkdtemp(prefix="prefill-second-"))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--compile_only", "--model", args.model,
+           "--dtype", args.dtype, "--prompts", ",".join(map(str, args.second_start)),
+           "--chunks", ",".join(map(str, args.chunks)), "--systems", ",".join(systems),
+           "--max_seconds", "0", "--out", str(out)]
+    if args.at:
+        cmd += ["--at", args.at]
+    if args.exact_context:
+        cmd.append("--exact_context")
+    say(f"second start: {' '.join(cmd[2:])}")
+    t = time.time()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+                           env={**os.environ, "KERNJAX_XLA_CACHE": os.environ["KERNJAX_XLA_CACHE"]})
+        if r.returncode:
+            raise RuntimeError(f"exit {r.returncode}: {r.stderr.strip()[-300:]}")
+        res.data["compile_second"] = json.loads((out / "results.json").read_text())["compile"]
+        say(f"second start: {len(res.data['compile_second'])} programs in {time.time() - t:.0f} s")
+    except Exception as e:  # noqa: BLE001  (an extra measurement: the run stands without it)
+        res.data["notes"].append(f"second start failed: {one_line(e)}")
+        say(f"second start failed: {one_line(e)}")
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def sysobj_context(sysobj, s, rows):
     return sysobj.context(s, rows) if hasattr(sysobj, "context") else s
 
@@ -984,9 +1027,17 @@ def parse_args(argv=None):
                     "once with the largest prompt's context and shared by all prompts)")
     ap.add_argument("--plain_attention", default="auto",
                     help="jax-plain's implementation: auto (cudnn, xla on the CPU), cudnn, xla")
-    ap.add_argument("--profile", action="store_true",
-                    help="after each JAX row, one more prefill under jax.profiler.trace: GPU "
-                    "time by call (experiments/gpuprofile.py), printed and in profile-*.json")
+    ap.add_argument("--profile", nargs="?", const="all", default="",
+                    help="after each JAX row of these prompt lengths (comma-separated; alone: "
+                    "every row), one more prefill under jax.profiler.trace: GPU time by call "
+                    "(experiments/gpuprofile.py), printed and in profile-*.json")
+    ap.add_argument("--second_start", default="",
+                    help="prompt lengths (comma-separated) whose kernjax and kernjax-2stages "
+                    "programs a second process compiles again at the end, with this run's "
+                    "caches: the compile time of a restarted stage")
+    ap.add_argument("--compile_only", action="store_true",
+                    help="build (trace, export, compile) every row's program, run nothing: "
+                    "what --second_start's process does")
     ap.add_argument("--peak", type=float, default=PEAK, help="peak FLOP/s for MFU")
     ap.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after kernjax's own")
     ap.add_argument("--replot", metavar="DIR", help="only rewrite DIR's README.md and mfu.png from "
@@ -1001,6 +1052,9 @@ def parse_args(argv=None):
         ap.error(f"unknown systems {bad}; known: {', '.join(SYSTEMS)}")
     a.systems = [x for x in RUN_ORDER if x in a.systems]
     a.skip = {x.strip() for x in a.skip.split(",") if x.strip()}
+    a.profile = set(a.prompts) if a.profile == "all" else \
+        {int(x) for x in a.profile.split(",") if x.strip()}
+    a.second_start = sorted({int(x) for x in a.second_start.split(",") if x.strip()})
     if a.plain_attention == "xla":
         a.plain_attention = None
     at = a.at
@@ -1060,7 +1114,7 @@ def main():
     ref_logits: dict = {}
     left_rows = {x: distinct_rows(x, args, args.prompts) for x in args.systems}
     try:
-        if jax_systems:
+        if jax_systems and not args.compile_only:
             t = time.perf_counter()
             weights = random_weights(fam, cfg, args.dtype)
             nbytes = sum(x.nbytes for x in weights.values())
@@ -1123,6 +1177,8 @@ def main():
         res.data["notes"].append(f"interrupted ({e}); rows after it were not run")
         say(f"interrupted ({e}); writing what there is")
     finally:
+        if args.second_start and not args.compile_only:
+            second_start(args, res)
         res.data["wall_s"] = round(time.time() - t_start, 1)
         res.write(plot=True)
         say(f"\nwrote {out}/results.json, README.md, mfu.png in {res.data['wall_s']:.0f} s")

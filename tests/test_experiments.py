@@ -1,5 +1,6 @@
-"""The prefill benchmark (`experiments/prefill.py`) runs every JAX system on the CPU, and its
-`--profile` gives each kernjax row's time by call.
+"""The prefill benchmark (`experiments/prefill.py`) runs every JAX system on the CPU, its
+`--profile` gives each kernjax row's time by call, and `--second_start` compiles the kernjax
+programs again in a second process.
 
 A benchmark that fails on the device costs a device call: this runs the same code on qwen3-tiny
 first. It checks that no row failed, that the four JAX systems agree on the next token and on the
@@ -26,7 +27,8 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run(
         [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
-         "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--profile", "--systems",
+         "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--profile", "64",
+         "--second_start", "64", "--systems",
          "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -43,6 +45,11 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
         assert details[key]["logits_diff"] is not None and details[key]["logits_diff"] < 0.05
     # the stages compute what the whole computes
     assert details[("kernjax", "32")]["logits_diff"] == details[("kernjax-2stages", "32")]["logits_diff"]
+
+    # a second process built the kernjax programs again with the run's caches
+    second = {(c["system"], c["rows"]) for c in data["compile_second"]}
+    assert second == {(s, r) for s in ("kernjax", "kernjax-2stages") for r in (32, 64)}, second
+    assert "Second start" in (out / "README.md").read_text()
 
     prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
     calls = {c["call"]: c for c in prof["calls"]}
