@@ -22,6 +22,9 @@
 #endif
 
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "edge.h"
 
 #include "xla/ffi/api/ffi.h"
 
@@ -34,10 +37,18 @@ namespace py = pybind11;
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCpu);          // mark.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCpu);  // mxfp4_shuffle.cc
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjKdaCpu);           // kda.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjHoldCpu);          // edge.cc
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjRecvCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPushCpu);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPostCpu);
 #ifdef KERNJAX_CUDA
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMarkCuda);          // mark.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjMxfp4ShuffleCuda);  // mxfp4_shuffle.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjKdaCuda);           // kda.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjHoldCuda);          // edge.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjRecvCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPushCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPostCuda);
 #endif
 
 namespace {
@@ -92,6 +103,28 @@ void HostFree(uintptr_t addr, bool mapped) {
   }
 }
 
+// Pins host memory someone else allocated (an edge's shared memory) and maps it into the devices,
+// so CUDA handlers can read and write it; HostUnregister undoes it.
+void HostRegister(uintptr_t addr, size_t nbytes) {
+#ifdef KERNJAX_CUDA
+  cudaError_t err = cudaHostRegister(reinterpret_cast<void*>(addr), nbytes,
+                                     cudaHostRegisterMapped | cudaHostRegisterPortable);
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string("cudaHostRegister: ") + cudaGetErrorName(err));
+#else
+  (void)addr, (void)nbytes;
+  throw std::runtime_error("registering host memory needs kernjax._ffi built with CUDA");
+#endif
+}
+
+void HostUnregister(uintptr_t addr) {
+#ifdef KERNJAX_CUDA
+  cudaHostUnregister(reinterpret_cast<void*>(addr));
+#else
+  (void)addr;
+#endif
+}
+
 constexpr bool kHasCuda =
 #ifdef KERNJAX_CUDA
     true;
@@ -111,11 +144,19 @@ PYBIND11_MODULE(_ffi, m) {
         cpu["kj_mark"] = Encapsulate(KjMarkCpu);
         cpu["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCpu);
         cpu["kj_kda"] = Encapsulate(KjKdaCpu);
+        cpu["kj_hold"] = Encapsulate(KjHoldCpu);
+        cpu["kj_recv"] = Encapsulate(KjRecvCpu);
+        cpu["kj_push"] = Encapsulate(KjPushCpu);
+        cpu["kj_post"] = Encapsulate(KjPostCpu);
         py::dict cuda;
 #ifdef KERNJAX_CUDA
         cuda["kj_mark"] = Encapsulate(KjMarkCuda);
         cuda["kj_mxfp4_shuffle"] = Encapsulate(KjMxfp4ShuffleCuda);
         cuda["kj_kda"] = Encapsulate(KjKdaCuda);
+        cuda["kj_hold"] = Encapsulate(KjHoldCuda);
+        cuda["kj_recv"] = Encapsulate(KjRecvCuda);
+        cuda["kj_push"] = Encapsulate(KjPushCuda);
+        cuda["kj_post"] = Encapsulate(KjPostCuda);
 #endif
         py::dict out;
         out["cpu"] = cpu;
@@ -133,6 +174,19 @@ PYBIND11_MODULE(_ffi, m) {
         "and mapped into the devices when mapped=True. Free with host_free.");
   m.def("host_free", &HostFree, py::arg("addr"), py::arg("mapped") = false,
         "Frees memory from host_alloc, with the same `mapped`.");
+
+  m.def("bind_edge", &kj::BindEdge, py::arg("edge"), py::arg("arrived"), py::arg("taken"),
+        py::arg("base"), py::arg("stride"), py::arg("nslots"), py::arg("offsets"),
+        py::arg("sizes"),
+        "Binds edge `edge` of this process to its memory (csrc/edge.h): the addresses of its "
+        "arrived and taken int32 words and of slot 0, the bytes between slots, the number of "
+        "slots, and each departure's offset and size within a slot.");
+  m.def("host_register", &HostRegister, py::arg("addr"), py::arg("nbytes"),
+        "Pins and maps host memory allocated elsewhere (cudaHostRegister, mapped).");
+  m.def("host_unregister", &HostUnregister, py::arg("addr"), "Undoes host_register.");
+  m.def("unbind_edge", &kj::UnbindEdge, py::arg("edge"), "Forgets edge `edge`'s binding.");
+  m.def("set_hold_timeout", &kj::SetHoldTimeout, py::arg("seconds"),
+        "Seconds a hold waits before it fails (CPU) or traps (CUDA); 60 by default.");
 
   m.def(
       "jax_version", []() { return std::string(KERNJAX_JAX_VERSION); },

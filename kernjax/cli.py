@@ -287,7 +287,7 @@ whole/ into DIR, replacing a previous cut there."""
 def previous_cut(out: Path) -> list[str]:
     """The stage directories a previous cut wrote into `out`; refuses an `out` that holds
     anything a cut does not write."""
-    from kernjax.stage import PROGRAM
+    from kernjax.stage import EDGED, PROGRAM
     if not out.exists():
         return []
     if not out.is_dir():
@@ -295,7 +295,7 @@ def previous_cut(out: Path) -> list[str]:
     ours, other = [], []
     for p in sorted(out.iterdir()):
         mine = (re.fullmatch(r"stage\d+|whole", p.name) and p.is_dir()
-                and {f.name for f in p.iterdir()} <= {"manifest.json", PROGRAM}
+                and {f.name for f in p.iterdir()} <= {"manifest.json", PROGRAM, EDGED}
                 and (p / "manifest.json").is_file()
                 and '"cut"' in (p / "manifest.json").read_text(errors="replace"))
         (ours if mine else other).append(p.name + "/" * p.is_dir())

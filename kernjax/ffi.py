@@ -29,7 +29,8 @@ memory the GPU can write, as the CUDA handler needs) and goes back through
 
 `mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
 `models/mxfp4.py: shuffle`; derive programs run it at load). Later ops (hold, push, recv,
-FlashKDA, MXFP4 matmuls) slot in the same way:
+FlashKDA, MXFP4 matmuls) slot in the same way (hold, recv, push and post, the edge ops of
+csrc/edge.h, are below; kernjax/edge.py puts them into stage programs):
 handlers in csrc/, an entry in csrc/module.cc's registrations(), and a checked
 wrapper plus reference here.
 """
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
-           "mark_reference", "mxfp4_shuffle"]
+           "mark_reference", "mxfp4_shuffle", "hold", "recv", "push", "post"]
 
 _REBUILD = "rebuild it with `pip install --no-build-isolation -e .`"
 
@@ -190,6 +191,52 @@ def mxfp4_shuffle(packed, scales, *, gated: bool = False):
         jax.ShapeDtypeStruct(packed.shape, jnp.uint8),
         jax.ShapeDtypeStruct((*packed.shape[:-2], flat), jnp.uint8)))
     return call(packed, scales, gated=bool(gated))
+
+
+# The edge ops (csrc/edge.h): `tok` is an int32[1] threaded through one stage's edge ops so that
+# data dependence orders them; `item` is the item's sequence number, an int32[1] operand; `edge`
+# names an edge this process has bound (kernjax.edge), `word` its arrived (0) or taken (1) word.
+def _edge_call(name, outs, *args, **attrs):
+    register()
+    for k, v in attrs.items():
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise TypeError(f"{name}: {k} must be a non-negative int fixed at trace time, got {v!r}")
+    for a in args:
+        if jnp.dtype(a.dtype) != jnp.int32 or a.shape != (1,):
+            raise TypeError(f"{name}: tok and item are int32[1], got {a.dtype}{list(a.shape)}")
+    return outs, {k: int(v) for k, v in attrs.items()}
+
+
+def hold(tok, item, *after, edge: int, word: int):
+    """Waits on the device until item `item`'s slot of `edge` is ready: its arrivals are in (word
+    0), or the item `nslots` before it was taken (word 1). Runs after `after` (order only)."""
+    spec = jax.ShapeDtypeStruct((1,), jnp.int32)
+    outs, attrs = _edge_call("hold", spec, tok, item, edge=edge, word=word)
+    return jax.ffi.ffi_call("kj_hold", outs, has_side_effect=True,
+                            input_output_aliases={0: 0})(tok, item, *after, **attrs)
+
+
+def recv(tok, item, spec: jax.ShapeDtypeStruct, *, edge: int, index: int):
+    """`(departure index of item `item`, read from its slot of `edge`, tok)`."""
+    outs, attrs = _edge_call("recv", (spec, jax.ShapeDtypeStruct((1,), jnp.int32)), tok, item,
+                             edge=edge, index=index)
+    return jax.ffi.ffi_call("kj_recv", outs, has_side_effect=True)(tok, item, **attrs)
+
+
+def push(x, tok, item, *, edge: int, index: int):
+    """Writes `x`, departure `index` of item `item`, into its slot of `edge`; returns tok."""
+    outs, attrs = _edge_call("push", jax.ShapeDtypeStruct((1,), jnp.int32), tok, item,
+                             edge=edge, index=index)
+    return jax.ffi.ffi_call("kj_push", outs, has_side_effect=True,
+                            input_output_aliases={1: 0})(x, tok, item, **attrs)
+
+
+def post(tok, value, *, edge: int, word: int):
+    """Stores `value` into `edge`'s arrived (0) or taken (1) word, after what `tok` follows."""
+    outs, attrs = _edge_call("post", jax.ShapeDtypeStruct((1,), jnp.int32), tok, value,
+                             edge=edge, word=word)
+    return jax.ffi.ffi_call("kj_post", outs, has_side_effect=True,
+                            input_output_aliases={0: 0})(tok, value, **attrs)
 
 
 try:

@@ -98,6 +98,7 @@ class Runner:
         with xla.compile_lock():
             self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile()
         self.needs = [s for s in art.inputs if s.role in ("fill", "table")]
+        self.donate, self.edged = donate, None
 
     def reset(self) -> None:
         """Zeroes every state."""
@@ -118,6 +119,39 @@ class Runner:
         if len(arrivals) != len(art.arrivals):
             raise StageError(f"stage {art.index} takes {len(art.arrivals)} arrivals, got "
                              f"{len(arrivals)}")
+        out = self.fn(*self._args(item), *arrivals)
+        nd = len(art.departures)
+        return list(out[:nd]), self._keep(out[nd:])
+
+    def run_edged(self, item: Mapping[str, np.ndarray], k: int
+                  ) -> tuple[dict[str, jax.Array], jax.Array]:
+        """Issues item `k` through the program with edge ops (`kernjax.edge`): its arrivals come
+        from, its departures go to the edges this process has bound. Returns at once: the
+        non-state outputs, and a token that is ready when the item has run, its edge ops too."""
+        art = self.art
+        if art.edged is None:
+            raise StageError(f"stage {art.index} (`{art.path}`) has no program with edge ops: "
+                             "re-cut it with this kernjax")
+        if self.edged is None:
+            specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype)) for s in art.inputs]
+            specs.append(jax.ShapeDtypeStruct((1,), np.int32))
+            with xla.compile_lock():
+                self.edged = jax.jit(art.edged.call, donate_argnums=self.donate).lower(
+                    *specs).compile()
+        out = self.edged(*self._args(item), np.asarray([k], np.int32))
+        return self._keep(out[:-1]), out[-1]
+
+    def _keep(self, out) -> dict[str, jax.Array]:
+        outputs = {}
+        for s, v in zip(self.art.outputs, out):
+            if s.role == "state":
+                self.states[s.name] = v
+            else:
+                outputs[s.name] = v
+        return outputs
+
+    def _args(self, item: Mapping[str, np.ndarray]) -> list:
+        art = self.art
         args = []
         for s in art.inputs:
             if s.role == "weight":
@@ -132,15 +166,7 @@ class Runner:
                     raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
                                      f" the program takes {s.dtype}{list(s.shape)}")
                 args.append(x)
-        out = self.fn(*args, *arrivals)
-        nd = len(art.departures)
-        outputs = {}
-        for s, v in zip(art.outputs, out[nd:]):
-            if s.role == "state":
-                self.states[s.name] = v
-            else:
-                outputs[s.name] = v
-        return list(out[:nd]), outputs
+        return args
 
 
 def open_stage(path: str | Path, *, weights: str | Path | None = None, dtype: str | None = None,

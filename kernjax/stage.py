@@ -33,6 +33,11 @@ PROGRAM = "program.jaxexport"
 # it, so they are safe.
 UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
             for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+# A stage of a cut also gets its program with the edge ops at its edges (kernjax/edge.py), for
+# the transports that move activations on the device; its inputs end with the item's number.
+EDGED = "edged.jaxexport"
+EDGE_OPS = [export.DisabledSafetyCheck.custom_call(f"kj_{op}")
+            for op in ("hold", "recv", "push", "post")]
 
 
 class ArtifactError(ValueError):
@@ -50,6 +55,7 @@ class Artifact:
     departures: tuple[Slot, ...]
     outputs: tuple[Slot, ...]
     exported: export.Exported
+    edged: export.Exported | None = None
 
     @property
     def index(self) -> int:
@@ -85,13 +91,25 @@ def _unslots(xs) -> tuple[Slot, ...]:
     return tuple(Slot(d["name"], d["role"], d["dtype"], tuple(d["shape"])) for d in xs)
 
 
-def export_stage(stage: Stage, platform: str | None = None) -> export.Exported:
+def export_stage(stage: Stage, platform: str | None = None, *,
+                 edged: bool = False) -> export.Exported:
     """The stage's jaxpr exported for `platform` (default: this process's devices), each call
-    lowered as that platform needs it (`trace.as_function`)."""
+    lowered as that platform needs it (`trace.as_function`); `edged`: with its edge ops
+    (`kernjax.edge.edged`: inputs, then the item's number; arrivals and departures on edges
+    `index - 1` and `index`)."""
     platform = platform or export.default_export_platform()
-    fn = jax.jit(as_function(stage.jaxpr, platform))
+    fn = as_function(stage.jaxpr, platform)
     specs = [s.spec() for s in (*stage.inputs, *stage.arrivals)]
-    return export.export(fn, platforms=[platform], disabled_checks=UNSTABLE)(*specs)
+    if edged:
+        from kernjax import edge
+
+        last = stage.index == stage.stages - 1
+        fn = edge.edged(fn, stage.arrivals, stage.departures,
+                        edge_in=stage.index - 1 if stage.index else None,
+                        edge_out=None if last else stage.index)
+        specs = [s.spec() for s in stage.inputs] + [jax.ShapeDtypeStruct((1,), "int32")]
+    return export.export(jax.jit(fn), platforms=[platform],
+                         disabled_checks=UNSTABLE + (EDGE_OPS if edged else []))(*specs)
 
 
 def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,
@@ -124,6 +142,10 @@ def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
     blob = bytes(export_stage(stage).serialize())
     (path / PROGRAM).write_bytes(blob)
     m = manifest(stage, program_sha256=hashlib.sha256(blob).hexdigest(), **meta)
+    if stage.stages > 1:
+        edged = bytes(export_stage(stage, edged=True).serialize())
+        (path / EDGED).write_bytes(edged)
+        m["edged"] = {"file": EDGED, "sha256": hashlib.sha256(edged).hexdigest()}
     (path / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
     return path
 
@@ -169,5 +191,13 @@ def read(path: str | os.PathLike) -> Artifact:
     if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
         raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
                             "manifest; the artifact was changed or half-written: re-run `kernjax.cut`")
+    edged = None
+    if "edged" in m:
+        eblob = (path / m["edged"]["file"]).read_bytes()
+        if hashlib.sha256(eblob).hexdigest() != m["edged"]["sha256"]:
+            raise ArtifactError(f"`{path / m['edged']['file']}` does not match the hash in its "
+                                "manifest: re-run `kernjax.cut`")
+        edged = export.deserialize(eblob)
     return Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
-                    _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob))
+                    _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
+                    edged)

@@ -13,12 +13,13 @@ def _lines(pattern: str) -> int:
 
 
 def test_size_budget():
-    # Core (trace, cut, stage, run, weights, xla) ~1,900 lines; serving with the OpenAI surface
-    # and its hardening against bad input ~2,300.
-    assert _lines("kernjax/**/*.py") < 4600
-    # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200); hold/push and FlashKDA
-    # varlen (issues 8, 9) are still to come.
-    assert _lines("csrc/*") < 1200
+    # Core (trace, cut, stage, run, weights, xla, derive) ~2,200 lines; serving with the OpenAI
+    # surface and its hardening against bad input ~2,300; the edges between stages (issue 8:
+    # edge.py and the edge ops' wrappers) ~250, with the device transports still to come.
+    assert _lines("kernjax/**/*.py") < 5000
+    # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
+    # edge ops hold/recv/push/post (~470, CPU and CUDA).
+    assert _lines("csrc/*") < 1400
 
 
 def test_kernjax_holds_no_model_knowledge():

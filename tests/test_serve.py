@@ -59,7 +59,8 @@ def _joiner(stage_dir: Path, pp: int, log: Path, *extra: str) -> Proc:
 class Pipeline:
     """A head and its stages, started from one cut directory; stopped at the end."""
 
-    def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60):
+    def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60,
+                 extra: tuple = ()):
         self.port, pp = _port(), _port()
         self.http = f"http://127.0.0.1:{self.port}"
         if stages == 1:  # flags from a file, as absl allows
@@ -67,8 +68,8 @@ class Pipeline:
             self.procs = [Proc([f"--flagfile={tmp / 'whole.flags'}"], tmp / "whole.log")]
         else:
             self.procs = [_head(cut / "stage0", pp, self.port, tmp / "stage0.log",
-                                "--stage_timeout", str(timeout))]
-            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log")
+                                "--stage_timeout", str(timeout), *extra)]
+            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log", *extra)
                            for s in range(1, stages)]
         self.pp = pp
         deadline = time.time() + 120
@@ -210,6 +211,57 @@ def test_models_and_health(servers):
     m, status, h = asyncio.run(go())
     assert m["data"][0]["id"] == "qwen3-tiny" and m["data"][0]["max_model_len"] == CONTEXT
     assert status == 200 and h["stages"] == 3
+
+
+def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_path):
+    """Stages that move activations in their programs (`--transport shm`, kernjax/edge.py), one
+    slot per edge in the 3-stage pipeline: the single-process server's tokens, one request at a
+    time and 16 at once; the transport is in /metrics and in every stage's startup line."""
+    prompts = _prompts()
+    want = _tokens(_complete(servers[1].http, prompts, concurrent=False))
+    for n, slots in ((2, "2"), (3, "1")):
+        (tmp_path / f"shm{n}").mkdir()
+        pipe = Pipeline(cuts[n], tmp_path / f"shm{n}", stages=n,
+                        extra=("--transport", "shm", "--edge_slots", slots))
+        try:
+            assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
+            assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
+                (want * 3)[:16], pipe.logs()
+            assert _metric(pipe.http, 'kernjax_transport{kind="shm"}') == 1
+            assert _metric(pipe.http, "kernjax_pages_in_use") == 0
+            for p in pipe.procs[1:]:
+                assert f"transport shm ({slots} slots per edge)" in p.text()
+            assert "transport shm" in pipe.procs[0].text()
+        finally:
+            pipe.stop()
+
+
+def test_stages_with_different_transports_are_refused(cuts, tmp_path):
+    port, pp = _port(), _port()
+    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--transport", "shm",
+                 "--startup_timeout", "20")
+    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log")
+    try:
+        stage.wait_for("uses the shm transport", 60)
+        head.wait_for("uses the host transport", 5)
+        assert "stage 1 uses the host transport; the head uses shm: start every stage with the " \
+            "same --transport" in head.text() + stage.text(), head.text() + stage.text()
+    finally:
+        for p in (head, stage):
+            p.p.kill()
+            p.p.wait()
+
+
+def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path):
+    pipe = Pipeline(cuts[3], tmp_path, stages=3, extra=("--transport", "shm"))
+    try:
+        os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
+        (status, r), = asyncio.run(_one(pipe.http, {"prompt": [5, 6, 7]}))
+        assert status == 503 and "stage 1" in r["error"]["message"], r
+        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
+        assert _wait(pipe.procs[2], 15) not in (None, 0), pipe.logs()
+    finally:
+        pipe.stop()
 
 
 def _wait(proc: Proc, seconds: float) -> int | None:

@@ -92,6 +92,14 @@ def _log_to() -> None:
         print(f"logging to {path}", file=sys.stderr)
 
 
+def _edges() -> None:
+    """--transport shm: a hold waits for a neighbour as long as the head waits for a stage."""
+    if FLAGS.transport == "shm":
+        from kernjax import edge
+
+        edge.set_hold_timeout(FLAGS.stage_timeout)
+
+
 def _check_flags() -> None:
     """Careless flags, refused before anything loads."""
     from kernjax.serve.protocol import PING_MIN, parse_address
@@ -108,6 +116,8 @@ def _check_flags() -> None:
     if not f.startup_timeout > 0:
         raise ValueError(f"--startup_timeout {f.startup_timeout:g}: give the seconds the stages "
                          "have to join, more than 0")
+    if f.edge_slots < 1:
+        raise ValueError(f"--edge_slots {f.edge_slots}: an edge holds at least 1 item")
     if f.max_frame < 4096:
         raise ValueError(f"--max_frame {f.max_frame}: give at least 4096 bytes (a Hello alone is "
                          "about 1 KiB)")
@@ -159,6 +169,12 @@ def serve_main():
                        "gives up on it (the head pings every quarter of it; at least 1)")
     flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join (head), "
                        "or for the head to be up (a stage)")
+    flags.DEFINE_enum("transport", "host", ["host", "shm"], "how activations go from stage to "
+                      "stage: `host` over the stage links (any hosts), `shm` by the stages' "
+                      "programs through shared memory (stages of one host; kernjax/edge.py); "
+                      "every stage of a pipeline gives the same")
+    flags.DEFINE_integer("edge_slots", 2, "--transport shm: items an edge holds, so a stage can "
+                         "run that many items ahead of the next")
     flags.DEFINE_string("served_model_name", None, "model name in the API (default: the model's)")
     flags.DEFINE_integer("chunk", 512, "rows per item, for --model/--weights")
     flags.DEFINE_integer("seqs", 4, "sequences per item, for --model/--weights")
@@ -204,16 +220,23 @@ def serve_main():
                 raise ValueError(f"`{art.path}` is stage {art.index} of {art.stages}; give "
                                  "--pp_head HOST:PORT (the head's --pp_listen)")
             runner.warm()
+            _edges()
             serve_stage(runner, head=FLAGS.pp_head, host=FLAGS.host,
-                        startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame)
+                        startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame,
+                        transport=FLAGS.transport, edge_slots=FLAGS.edge_slots,
+                        edge_timeout=FLAGS.stage_timeout)
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
         http = _bind_http(FLAGS.host, FLAGS.port)  # before compiling: a taken port fails at once
         runner.warm()
         metrics = Metrics()
+        transport = FLAGS.transport if art.stages > 1 else "none"
+        metrics.transport.labels(transport).set(1)
+        _edges()
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
                     stage_timeout=FLAGS.stage_timeout, startup_timeout=FLAGS.startup_timeout,
-                    max_frame=FLAGS.max_frame, metrics=metrics)
+                    max_frame=FLAGS.max_frame, metrics=metrics, transport=FLAGS.transport,
+                    edge_timeout=FLAGS.stage_timeout)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=cli.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
@@ -224,7 +247,8 @@ def serve_main():
         if art.stages > 1:
             print(f"head: {url}/health answers 503 until every stage has joined", file=sys.stderr)
         head.join()
-        what = "the whole program" if art.stages == 1 else f"{art.stages} stages"
+        what = "the whole program" if art.stages == 1 else \
+            f"{art.stages} stages, transport {transport}"
         print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on {url}", file=sys.stderr)
         threading.Event().wait()  # HTTP and the pipeline run on their threads; Ctrl-C ends here
 

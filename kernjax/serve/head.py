@@ -41,7 +41,7 @@ from kernjax.runner import Runner
 from kernjax.serve.pack import Waiting, admissible, full, pack
 from kernjax.serve.protocol import (MAX_FRAME, PING_MIN, Closed, Conn, ProtocolError, connect,
                                     handshakes, parse_address)
-from kernjax.serve.transport import HostTransport
+from kernjax.serve.transport import HostTransport, departures_edge
 from kernjax.timeline import log_item
 
 
@@ -81,8 +81,10 @@ class Head:
 
     def __init__(self, runner: Runner, *, listen: str | None = None, max_seqs: int = 256,
                  stage_timeout: float = 60.0, startup_timeout: float = 600.0,
-                 max_frame: int = MAX_FRAME, metrics=None, on_exit=None):
+                 max_frame: int = MAX_FRAME, metrics=None, on_exit=None,
+                 transport: str = "host", edge_timeout: float = 60.0):
         self.runner, self.art = runner, runner.art
+        self.transport, self.edge, self.edge_timeout = transport, None, edge_timeout
         self.shape = self.art.item
         self.stages = self.art.stages
         self.max_seqs, self.stage_timeout, self.max_frame = max_seqs, stage_timeout, max_frame
@@ -136,6 +138,8 @@ class Head:
                 threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}",
                                  daemon=True).start()
             threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
+            if self.edge:
+                threading.Thread(target=self._watch, name="watch", daemon=True).start()
         threading.Thread(target=self._schedule, name="scheduler", daemon=True).start()
 
     # --- startup ----------------------------------------------------------------------------
@@ -173,7 +177,9 @@ class Head:
             table = {"pages": pages, "next": None}
             if nxt:
                 table["next"] = {"address": f"{nxt[2]}:{nxt[1]['listen']}",
-                                 "arrivals": nxt[1]["arrivals"]}
+                                 "arrivals": nxt[1]["arrivals"],
+                                 **{k: nxt[1][k] for k in ("transport", "edge", "slots")
+                                    if k in nxt[1]}}
             conn.send("TABLE", table)
             self.conns[s] = conn
             self.fills[s] = hello["fills"]
@@ -182,6 +188,8 @@ class Head:
                        limit=self.max_frame)
         conn.send("HELLO", {"stage": 0, "stages": self.stages, "cut": self.art.cut_id})
         self.next = HostTransport(conn, self.art.departures)
+        self.edge = departures_edge(self.art, hellos[1][1])
+        self._done: deque = deque()
         return pages
 
     def _refuse(self, hello: dict, hellos: dict) -> str | None:
@@ -199,6 +207,9 @@ class Head:
                 and all(isinstance(f, str) for f in fills)
                 and set(fills) <= set(make_item([], self.shape))):
             return f"stage {s} sent a malformed Hello (pages, listen, arrivals or fills)"
+        if hello.get("transport", "host") != self.transport:
+            return (f"stage {s} uses the {hello.get('transport', 'host')} transport; the head "
+                    f"uses {self.transport}: start every stage with the same --transport")
         want = [[x.name, x.dtype, list(x.shape)] for x in self.art.departures] if s == 1 else None
         if want is not None and hello.get("arrivals") != want:
             return f"stage 1 takes arrivals {hello.get('arrivals')}; stage 0 sends {want}"
@@ -295,6 +306,12 @@ class Head:
         for s, conn in self.conns.items():
             conn.send("ITEM", {"item": k, "rows": rows}, {n: item[n] for n in self.fills[s]})
         t0 = time.time()
+        if self.edge:  # the program pushes into stage 1's slot itself; `_watch` logs it
+            self.runner.run_edged(item, k)
+            with self.cond:
+                self._done.append((k, rows, t0))
+                self.cond.notify_all()
+            return
         departures, outputs = self.runner.run(item)
         if self.stages == 1:
             tokens = np.asarray(outputs["next_token"])
@@ -304,6 +321,24 @@ class Head:
         else:
             self.next.send(k, [np.asarray(d) for d in departures],
                            {"busy_us": [int((time.time() - t0) * 1e6)]})
+            log_item(0, k, rows, t0, time.time())
+
+    def _watch(self) -> None:
+        """The shm transport: item k has left once stage 1's edge says it arrived (a load from
+        shared memory: this thread makes no driver call); logs it, fails after the timeout."""
+        while not self.failed:
+            with self.cond:
+                while not self._done and not self.failed:
+                    self.cond.wait(0.5)
+                if self.failed:
+                    return
+                k, rows, t0 = self._done.popleft()
+            deadline = time.time() + self.edge_timeout
+            while self.edge.arrived < k + 1 and not self.failed:
+                if time.time() > deadline:
+                    self.fail(f"item {k} did not reach stage 1 within {self.edge_timeout:g} s")
+                    return
+                time.sleep(0.0002)
             log_item(0, k, rows, t0, time.time())
 
     def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:

@@ -88,6 +88,8 @@ class Metrics:
                            "(models with per-sequence states)", registry=r)
         self.stage = Histogram("kernjax_stage_item_seconds", "Per-stage compute time per item",
                                ["stage"], registry=r)
+        self.transport = Gauge("kernjax_transport", "1 for the transport between the stages "
+                               "(`none` for the whole program)", ["kind"], registry=r)
 
     def item(self, rows: int, busy_us) -> None:
         self.items.inc()

@@ -26,7 +26,7 @@ import numpy as np
 
 from kernjax.runner import Runner
 from kernjax.serve.protocol import MAX_FRAME, Closed, ProtocolError, connect, handshakes
-from kernjax.serve.transport import HostTransport
+from kernjax.serve.transport import HostTransport, arrivals_edge, departures_edge
 from kernjax.timeline import log_item
 
 
@@ -35,8 +35,11 @@ def _slots(xs):
 
 
 def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
-                startup_timeout: float = 600.0, max_frame: int = MAX_FRAME) -> None:
-    """Runs stage `runner` of a pipeline whose head listens at `head`; returns never."""
+                startup_timeout: float = 600.0, max_frame: int = MAX_FRAME,
+                transport: str = "host", edge_slots: int = 2, edge_timeout: float = 60.0) -> None:
+    """Runs stage `runner` of a pipeline whose head listens at `head`; returns never.
+    `transport`: how the arrivals come in (kernjax/serve/transport.py); the departures go the
+    way the next stage's Hello says."""
     art = runner.art
     s, last = art.index, art.index == art.stages - 1
 
@@ -61,13 +64,15 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         return None
 
     try:
+        in_edge, via = arrivals_edge(art, transport, edge_slots)
+        out_edge = None
         server = socket.create_server((host, 0))
         hconn = connect(head, "the head", startup_timeout, limit=max_frame, say=say)
         fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
         hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
                              "pages": art.item.pages, "listen": server.getsockname()[1],
                              "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
-                             "fills": fills})
+                             "fills": fills, **via})
         table, _ = hconn.expect("TABLE")
         if type(table.get("pages")) is not int or not (
                 table.get("next") is None or isinstance(table["next"], dict)):
@@ -88,6 +93,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                            limit=max_frame)
             conn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id})
             nxt = HostTransport(conn, art.departures)
+            out_edge = departures_edge(art, table["next"])
         if not handshakes(server, take, done=lambda: bool(got), deadline=time.time() + 60,
                           log=say, limit=max_frame):
             die(f"stage {s - 1} did not connect within 60 s")
@@ -96,7 +102,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         prev = HostTransport(got[0], art.arrivals)
     except (OSError, RuntimeError, ValueError, ProtocolError, Closed) as e:
         die(f"cannot join the pipeline: {e}")
-    say(f"joined cut `{art.cut_id}` ({table['pages']} pages)")
+    say(f"joined cut `{art.cut_id}` ({table['pages']} pages), transport {transport}"
+        + (f" ({edge_slots} slots per edge)" if in_edge else ""))
 
     items: queue.Queue = queue.Queue()
 
@@ -116,6 +123,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             die(f"lost the head: {e}")
 
     threading.Thread(target=read_head, name="head", daemon=True).start()
+    if in_edge:
+        return _serve_edged(runner, hconn, items, prev, out_edge, die, edge_timeout)
     try:
         while True:
             header, fills = items.get()
@@ -134,6 +143,54 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                 hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": busy},
                            {"next_token": tokens})
             log_item(s, k, header["rows"], t0, time.time())
+    except (Closed, ProtocolError) as e:
+        die(str(e))
+    except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)
+        die(f"{type(e).__name__}: {e}")
+
+
+def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
+                 timeout: float) -> None:
+    """The item loop of the `shm` transport: issue item k at once (the program holds on the
+    device until its arrivals are in); the last stage sends the tokens, the others' watcher sees
+    item k leave in the edge's `arrived` word (a load from shared memory, no driver call)."""
+    art = runner.art
+    s, last = art.index, art.index == art.stages - 1
+
+    def watch_prev() -> None:  # nothing comes on the link: it only says when stage s-1 goes
+        try:
+            prev.conn.recv()
+            die(f"stage {s - 1} sent a frame on the link, which the shm transport never uses")
+        except (Closed, ProtocolError) as e:
+            die(f"lost stage {s - 1}: {e}")
+
+    threading.Thread(target=watch_prev, name="prev", daemon=True).start()
+    done: queue.Queue = queue.Queue()
+
+    def watch() -> None:
+        while True:
+            k, rows, t0 = done.get()
+            deadline = time.time() + timeout
+            while out_edge.arrived < k + 1:
+                if time.time() > deadline:
+                    die(f"item {k} did not leave for stage {s + 1} within {timeout:g} s")
+                time.sleep(0.0002)
+            log_item(s, k, rows, t0, time.time())
+
+    if not last:
+        threading.Thread(target=watch, name="watch", daemon=True).start()
+    try:
+        while True:
+            header, fills = items.get()
+            k, t0 = header["item"], time.time()
+            outputs, _ = runner.run_edged(fills, k)
+            if last:
+                tokens = np.asarray(outputs["next_token"])
+                hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": []},
+                           {"next_token": tokens})
+                log_item(s, k, header["rows"], t0, time.time())
+            else:
+                done.put((k, header["rows"], t0))
     except (Closed, ProtocolError) as e:
         die(str(e))
     except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)

@@ -1,11 +1,17 @@
-"""How departures reach the next stage. The interface the GPU transport fills in, and the host one.
+"""How departures reach the next stage (`--transport`).
 
 A transport moves one item's departures from stage s to stage s+1, in item order, and nothing
 else: what crosses is exactly what the stage signatures say (names, dtypes, shapes), checked on
-both ends. `HostTransport` sends the bytes over the stage-to-stage TCP connection, so it works on
-the CPU and, as a fallback, between GPUs (device to host to device). The GPU transport (roadmap
-K5: `push` into the next stage's IPC slot on XLA's stream, `hold`/`mark` for order) keeps the same
-two methods.
+both ends.
+
+- `host`: `HostTransport` sends the bytes over the stage-to-stage TCP connection, so it works on
+  the CPU, across hosts and, as a fallback, between GPUs (device to host to device). The host
+  thread waits for each item's departures before it sends them.
+- `shm`: the stages run their programs with edge ops (`kernjax.edge`): stage s+1 creates its
+  arrivals' edge in shared memory (a ring of `--edge_slots` slots) and names it in its Hello; the
+  head hands the name to stage s in its Table; stage s's program pushes into it and posts, stage
+  s+1's program holds until the item is in. No host thread waits for a device or relays a byte.
+  Stages of one host only; on a GPU the slots are host memory until the CUDA IPC slots come.
 """
 
 from __future__ import annotations
@@ -43,3 +49,33 @@ class HostTransport:
         if got != want:
             raise ProtocolError(f"{self.conn.name} sent arrivals {got}; this stage takes {want}")
         return list(arrays.values()), header
+
+
+TRANSPORTS = ("host", "shm")
+
+
+def arrivals_edge(art, kind: str, nslots: int):
+    """A stage past 0: `(edge or None, fields for its Hello)`; for `shm` it creates and binds the
+    edge its arrivals come in on (edge `index - 1`)."""
+    if kind == "host":
+        return None, {"transport": "host"}
+    from kernjax import edge
+
+    e = edge.SharedEdge(edge.Layout.of(art.arrivals, nslots))
+    e.bind(art.index - 1)
+    return e, {"transport": kind, "edge": e.name, "slots": nslots}
+
+
+def departures_edge(art, nxt: dict):
+    """A stage before the last, with the next stage's Hello fields (from the Table): for `shm`
+    the next stage's edge, opened and bound as edge `index`; None for `host`."""
+    if nxt.get("transport", "host") == "host":
+        return None
+    from kernjax import edge
+
+    if not isinstance(nxt.get("edge"), str) or type(nxt.get("slots")) is not int:
+        raise ProtocolError(f"the next stage's shm edge is malformed: {str(nxt)[:200]}")
+    e = edge.SharedEdge(edge.Layout.of(art.departures, nxt["slots"]), name=nxt["edge"],
+                        create=False)
+    e.bind(art.index)
+    return e

@@ -1,0 +1,155 @@
+"""Edges between stages: their memory, its binding in a process, and stage programs that hold,
+receive, push and post at their edges on the device (csrc/edge.h).
+
+An edge joins stage s to stage s+1 (edge number s). Its memory is a header with two int32 words,
+`arrived` and `taken`, and a ring of `nslots` slots, each holding one item's departures at fixed
+offsets (`Layout`). Item k uses slot k % nslots. `edged` wraps a stage's program so that, for item
+k (an int32[1] operand, so nothing recompiles from item to item):
+
+  stage s+1: hold until arrived >= k+1, receive the arrivals from slot k, post taken = k+1;
+  stage s:   after its departures exist, hold until taken >= k+1-nslots (slot k is free again),
+             push the departures into slot k, post arrived = k+1.
+
+A stage's host thread can so issue item k before item k's arrivals exist: the device waits, the
+host never does. `SharedEdge` is the memory of processes on one host (POSIX shared memory; on a
+GPU the same pages pinned and mapped), so the words and slots the upstream writes are the bytes
+the downstream reads and nothing relays them (on a GPU the pages are pinned and mapped, so the
+device reads and writes them directly; CUDA IPC slots in device memory are to come). The whole
+program has no edges and calls none of
+these ops, so its bits are what they always were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from multiprocessing import shared_memory
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernjax import ffi
+from kernjax.trace import Slot
+
+ARRIVED, TAKEN = 0, 1
+HEADER = 128  # arrived at byte 0, taken at byte 64: one cache line each
+ALIGN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where each departure sits in a slot, and how many slots the ring has."""
+
+    slots: tuple[Slot, ...]
+    nslots: int
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    stride: int
+
+    @classmethod
+    def of(cls, slots: Sequence[Slot], nslots: int = 2) -> Layout:
+        if nslots < 1:
+            raise ValueError(f"an edge needs at least one slot, not {nslots}")
+        offsets, sizes, at = [], [], 0
+        for s in slots:
+            offsets.append(at)
+            sizes.append(s.nbytes)
+            at += -(-s.nbytes // ALIGN) * ALIGN
+        return cls(tuple(slots), nslots, tuple(offsets), tuple(sizes), max(at, ALIGN))
+
+    @property
+    def nbytes(self) -> int:
+        return HEADER + self.stride * self.nslots
+
+
+class SharedEdge:
+    """An edge's memory in POSIX shared memory, created by one stage and opened by the other
+    (`name`); `bind(edge)` points this process's edge ops at it. Keep it open while programs
+    that use it may run."""
+
+    def __init__(self, layout: Layout, *, name: str | None = None, create: bool = True):
+        self.layout = layout
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=layout.nbytes)
+        if self.shm.size < layout.nbytes:
+            raise ValueError(f"shared memory `{name}` holds {self.shm.size} bytes; the edge "
+                             f"needs {layout.nbytes}")
+        self.words = np.ndarray((HEADER // 4,), np.int32, self.shm.buf)
+        if create:
+            self.words[:] = 0
+        self.base = self.words.ctypes.data
+        self.bound: list[int] = []
+        self.pinned = jax.default_backend() == "gpu"  # a GPU's edge ops read and write it
+        if self.pinned:
+            ffi.register()
+            ffi._extension().host_register(self.base, layout.nbytes)
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @property
+    def arrived(self) -> int:
+        return int(self.words[0])
+
+    @property
+    def taken(self) -> int:
+        return int(self.words[16])
+
+    def bind(self, edge: int) -> None:
+        lay = self.layout
+        ffi.register()
+        ffi._extension().bind_edge(edge, self.base, self.base + 64, self.base + HEADER, lay.stride,
+                                   lay.nslots, list(lay.offsets), list(lay.sizes))
+        self.bound.append(edge)
+
+    def close(self, unlink: bool = False) -> None:
+        for e in self.bound:
+            ffi._extension().unbind_edge(e)
+        self.bound.clear()
+        if self.pinned:
+            ffi._extension().host_unregister(self.base)
+            self.pinned = False
+        del self.words
+        self.shm.close()
+        if unlink:
+            self.shm.unlink()
+
+
+def set_hold_timeout(seconds: float) -> None:
+    """How long a hold waits for a neighbour before its stage fails (60 s by default)."""
+    ffi.register()
+    ffi._extension().set_hold_timeout(float(seconds))
+
+
+def edged(fn: Callable, arrivals: Sequence[Slot], departures: Sequence[Slot], *,
+          edge_in: int | None, edge_out: int | None) -> Callable:
+    """`fn(*inputs, *arrivals) -> (*departures, *outputs)` as `g(*inputs, item) -> (*outputs,
+    tok)`: the arrivals come from edge `edge_in`'s slot of item `item` (int32[1]), the departures
+    go to edge `edge_out`'s; `tok`, the end of the edge ops' chain, is for nothing but order."""
+    nd = len(departures)
+
+    def run(*args):
+        *inputs, item = args
+        tok = item
+        got = []
+        if arrivals:
+            tok = ffi.hold(tok, item, edge=edge_in, word=ARRIVED)
+            for i, s in enumerate(arrivals):
+                x, tok = ffi.recv(tok, item, s.spec(), edge=edge_in, index=i)
+                got.append(x)
+            tok = ffi.post(tok, item + 1, edge=edge_in, word=TAKEN)
+        out = fn(*inputs, *got)
+        if departures:
+            tok = ffi.hold(tok, item, *out[:nd], edge=edge_out, word=TAKEN)
+            for i, x in enumerate(out[:nd]):
+                tok = ffi.push(x, tok, item, edge=edge_out, index=i)
+            tok = ffi.post(tok, item + 1, edge=edge_out, word=ARRIVED)
+        return [*out[nd:], tok]
+
+    return run
+
+
+def item_operand(k: int) -> jax.Array:
+    """Item `k`'s sequence number as the edged program takes it."""
+    return jnp.asarray([k], jnp.int32)
