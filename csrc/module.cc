@@ -125,6 +125,56 @@ void HostUnregister(uintptr_t addr) {
 #endif
 }
 
+// Device memory for an edge's slots, allocated outside JAX (whose buffers cannot be exported over
+// CUDA IPC) on the current device, zeroed: (address, IPC handle bytes). The stage before opens
+// the handle with IpcOpen and writes into it over NVLink; DeviceFree/IpcClose give it back.
+#ifdef KERNJAX_CUDA
+void CudaCheck(const char* what, cudaError_t err) {
+  if (err != cudaSuccess)
+    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(err) + ": " +
+                             cudaGetErrorString(err));
+}
+#endif
+
+py::tuple DeviceAlloc(size_t nbytes) {
+#ifdef KERNJAX_CUDA
+  void* ptr = nullptr;
+  CudaCheck("cudaMalloc", cudaMalloc(&ptr, nbytes));
+  CudaCheck("cudaMemset", cudaMemset(ptr, 0, nbytes));
+  cudaIpcMemHandle_t h;
+  CudaCheck("cudaIpcGetMemHandle", cudaIpcGetMemHandle(&h, ptr));
+  return py::make_tuple(reinterpret_cast<uintptr_t>(ptr),
+                        py::bytes(reinterpret_cast<const char*>(&h), sizeof(h)));
+#else
+  (void)nbytes;
+  throw std::runtime_error("device slots need kernjax._ffi built with CUDA");
+#endif
+}
+
+uintptr_t IpcOpen(const std::string& handle) {
+#ifdef KERNJAX_CUDA
+  cudaIpcMemHandle_t h;
+  if (handle.size() != sizeof(h)) throw std::invalid_argument("not a CUDA IPC handle");
+  std::memcpy(&h, handle.data(), sizeof(h));
+  void* ptr = nullptr;
+  CudaCheck("cudaIpcOpenMemHandle",
+            cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess));
+  return reinterpret_cast<uintptr_t>(ptr);
+#else
+  (void)handle;
+  throw std::runtime_error("CUDA IPC needs kernjax._ffi built with CUDA");
+#endif
+}
+
+void DeviceFree(uintptr_t addr, bool opened) {
+#ifdef KERNJAX_CUDA
+  void* ptr = reinterpret_cast<void*>(addr);
+  if (opened) cudaIpcCloseMemHandle(ptr); else cudaFree(ptr);
+#else
+  (void)addr, (void)opened;
+#endif
+}
+
 constexpr bool kHasCuda =
 #ifdef KERNJAX_CUDA
     true;
@@ -184,6 +234,11 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("host_register", &HostRegister, py::arg("addr"), py::arg("nbytes"),
         "Pins and maps host memory allocated elsewhere (cudaHostRegister, mapped).");
   m.def("host_unregister", &HostUnregister, py::arg("addr"), "Undoes host_register.");
+  m.def("device_alloc", &DeviceAlloc, py::arg("nbytes"),
+        "(address, CUDA IPC handle bytes) of zeroed device memory on the current device.");
+  m.def("ipc_open", &IpcOpen, py::arg("handle"), "Maps another process's device_alloc memory.");
+  m.def("device_free", &DeviceFree, py::arg("addr"), py::arg("opened") = false,
+        "Frees device_alloc memory, or (opened=True) unmaps ipc_open memory.");
   m.def("unbind_edge", &kj::UnbindEdge, py::arg("edge"), "Forgets edge `edge`'s binding.");
   m.def("set_hold_timeout", &kj::SetHoldTimeout, py::arg("seconds"),
         "Seconds a hold waits before it fails (CPU) or traps (CUDA); 60 by default.");

@@ -1,7 +1,7 @@
 """Load benchmark: the whole program against a 2-stage pipeline, both served on loopback.
 
-Cuts `--model` once at `--at`, then for each configuration (`whole`, `2 stages`) starts the
-server processes on free 127.0.0.1 ports, waits for /health, warms up, and for each concurrency
+Cuts `--model` once at `--at`, then for each configuration (`whole`, `2 stages`, the latter with
+`--transport` and `--edge_slots`) starts the server processes on free 127.0.0.1 ports, waits for /health, warms up, and for each concurrency
 level sends `--requests` completions (`max_tokens` 1, prompts of uniform random length in
 `--prompt_len`, seeded, the same prompts for both configurations) with at most that many in
 flight. With one output token, a request's latency is its client-side time to first token.
@@ -54,7 +54,7 @@ class Server:
     """The processes of one configuration; `stop` ends them (SIGTERM, then SIGKILL)."""
 
     def __init__(self, cut: Path, logs: Path, stages: int, stage_timeout: float,
-                 gpus: list[str] | None = None):
+                 gpus: list[str] | None = None, edges: tuple = ()):
         self.port = _port()
         self.gpus = gpus or []
         self.url = f"http://127.0.0.1:{self.port}"
@@ -65,10 +65,10 @@ class Server:
         else:
             pp = f"127.0.0.1:{_port()}"
             self._start(["--stage_dir", str(cut / "stage0"), "--pp_listen", pp,
-                         "--port", str(self.port), "--stage_timeout", str(stage_timeout)],
+                         "--port", str(self.port), "--stage_timeout", str(stage_timeout), *edges],
                         logs / "stage0.log", 0)
             for s in range(1, stages):
-                self._start(["--stage_dir", str(cut / f"stage{s}"), "--pp_head", pp],
+                self._start(["--stage_dir", str(cut / f"stage{s}"), "--pp_head", pp, *edges],
                             logs / f"stage{s}.log", s)
 
     def _start(self, args, log: Path, index: int):
@@ -225,6 +225,9 @@ def main():
     ap.add_argument("--startup_timeout", type=float, default=300.0)
     ap.add_argument("--gpus", default="", help="GPU ids, e.g. 0,1: stage s (and whole) runs on "
                     "the s-th (CUDA_VISIBLE_DEVICES); empty: every process sees every device")
+    ap.add_argument("--transport", default="host", choices=["host", "shm"],
+                    help="how the 2-stage pipeline moves activations (serve --transport)")
+    ap.add_argument("--edge_slots", type=int, default=2, help="--transport shm: slots per edge")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
@@ -262,7 +265,8 @@ def main():
             logs.mkdir()
             t = time.time()
             srv = Server(tmp / "cut", logs, stages, stage_timeout=a.request_timeout,
-                         gpus=[g for g in a.gpus.split(",") if g])
+                         gpus=[g for g in a.gpus.split(",") if g],
+                         edges=("--transport", a.transport, "--edge_slots", str(a.edge_slots)))
             servers.append(srv)
             health = asyncio.run(srv.ready(a.startup_timeout))
             print(f"{config}: ready in {time.time() - t:.1f} s ({health})", flush=True)
@@ -332,7 +336,8 @@ def main():
     md = table(rows)
     import jax
     meta = {"argv": [_scrub(x, paths) for x in sys.argv[1:]], "python": platform.python_version(), "jax": jax.__version__,
-            "cpus": os.cpu_count(), "date_unix": int(time.time())}
+            "cpus": os.cpu_count(), "date_unix": int(time.time()), "transport": a.transport,
+            "edge_slots": a.edge_slots if a.transport == "shm" else None}
     (out / "results.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, "failures": failures, "mismatches": mismatches},
         indent=1, default=str))

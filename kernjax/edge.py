@@ -66,14 +66,18 @@ class Layout:
 class SharedEdge:
     """An edge's memory in POSIX shared memory, created by one stage and opened by the other
     (`name`); `bind(edge)` points this process's edge ops at it. Keep it open while programs
-    that use it may run."""
+    that use it may run. `device`: the slots are device memory of the creating stage's GPU
+    instead (CUDA IPC: the creator's `ipc` handle, opened by the other stage), the words stay in
+    shared memory."""
 
-    def __init__(self, layout: Layout, *, name: str | None = None, create: bool = True):
+    def __init__(self, layout: Layout, *, name: str | None = None, create: bool = True,
+                 device: bool = False, ipc: bytes | None = None):
         self.layout = layout
-        self.shm = shared_memory.SharedMemory(name=name, create=create, size=layout.nbytes)
-        if self.shm.size < layout.nbytes:
+        size = HEADER if device else layout.nbytes
+        self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        if self.shm.size < size:
             raise ValueError(f"shared memory `{name}` holds {self.shm.size} bytes; the edge "
-                             f"needs {layout.nbytes}")
+                             f"needs {size}")
         self.words = np.ndarray((HEADER // 4,), np.int32, self.shm.buf)
         if create:
             self.words[:] = 0
@@ -82,7 +86,14 @@ class SharedEdge:
         self.pinned = jax.default_backend() == "gpu"  # a GPU's edge ops read and write it
         if self.pinned:
             ffi.register()
-            ffi._extension().host_register(self.base, layout.nbytes)
+            ffi._extension().host_register(self.base, size)
+        self.slots, self.ipc, self.device, self.created = self.base + HEADER, ipc, device, create
+        if device:
+            ext = ffi._extension()
+            if create:
+                self.slots, self.ipc = ext.device_alloc(layout.stride * layout.nslots)
+            else:
+                self.slots = ext.ipc_open(ipc)
 
     @property
     def name(self) -> str:
@@ -99,7 +110,7 @@ class SharedEdge:
     def bind(self, edge: int) -> None:
         lay = self.layout
         ffi.register()
-        ffi._extension().bind_edge(edge, self.base, self.base + 64, self.base + HEADER, lay.stride,
+        ffi._extension().bind_edge(edge, self.base, self.base + 64, self.slots, lay.stride,
                                    lay.nslots, list(lay.offsets), list(lay.sizes))
         self.bound.append(edge)
 
@@ -110,6 +121,9 @@ class SharedEdge:
         if self.pinned:
             ffi._extension().host_unregister(self.base)
             self.pinned = False
+        if self.device:
+            ffi._extension().device_free(self.slots, opened=not self.created)
+            self.device = False
         del self.words
         self.shm.close()
         if unlink:

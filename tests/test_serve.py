@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import jax
 import pytest
 
 from kernjax import models
@@ -250,6 +251,17 @@ def test_stages_with_different_transports_are_refused(cuts, tmp_path):
         for p in (head, stage):
             p.p.kill()
             p.p.wait()
+
+
+def test_the_ipc_transport_on_the_cpu_is_refused_with_what_to_use(cuts, tmp_path):
+    p = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", "127.0.0.1:9",
+              "--transport", "ipc"], tmp_path / "ipc.log")
+    if jax.default_backend() == "gpu":
+        p.p.kill()
+        pytest.skip("a GPU process may use --transport ipc")
+    assert p.p.wait(60) == 2, p.text()
+    assert "--transport ipc moves activations between GPUs; this process runs on cpu: use " \
+        "--transport shm" in p.text()
 
 
 def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path):

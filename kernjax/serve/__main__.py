@@ -93,10 +93,15 @@ def _log_to() -> None:
 
 
 def _edges() -> None:
-    """--transport shm: a hold waits for a neighbour as long as the head waits for a stage."""
-    if FLAGS.transport == "shm":
+    """--transport shm/ipc: a hold waits for a neighbour as long as the head waits for a stage."""
+    if FLAGS.transport != "host":
+        import jax
+
         from kernjax import edge
 
+        if FLAGS.transport == "ipc" and jax.default_backend() != "gpu":
+            raise ValueError(f"--transport ipc moves activations between GPUs; this process runs "
+                             f"on {jax.default_backend()}: use --transport shm")
         edge.set_hold_timeout(FLAGS.stage_timeout)
 
 
@@ -169,9 +174,10 @@ def serve_main():
                        "gives up on it (the head pings every quarter of it; at least 1)")
     flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join (head), "
                        "or for the head to be up (a stage)")
-    flags.DEFINE_enum("transport", "host", ["host", "shm"], "how activations go from stage to "
-                      "stage: `host` over the stage links (any hosts), `shm` by the stages' "
-                      "programs through shared memory (stages of one host; kernjax/edge.py); "
+    flags.DEFINE_enum("transport", "host", ["host", "shm", "ipc"], "how activations go from "
+                      "stage to stage: `host` over the stage links (any hosts), `shm` by the "
+                      "stages' programs through shared memory (stages of one host; "
+                      "kernjax/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC); "
                       "every stage of a pipeline gives the same")
     flags.DEFINE_integer("edge_slots", 2, "--transport shm: items an edge holds, so a stage can "
                          "run that many items ahead of the next")
@@ -197,6 +203,7 @@ def serve_main():
     def main():
         _check_flags()
         _log_to()
+        _edges()
         from kernjax.runner import Runner, checkpoint_dir, load_weights, open_stage
         from kernjax.serve.head import Head
         from kernjax.serve.http import Metrics, make_app
@@ -220,7 +227,6 @@ def serve_main():
                 raise ValueError(f"`{art.path}` is stage {art.index} of {art.stages}; give "
                                  "--pp_head HOST:PORT (the head's --pp_listen)")
             runner.warm()
-            _edges()
             serve_stage(runner, head=FLAGS.pp_head, host=FLAGS.host,
                         startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame,
                         transport=FLAGS.transport, edge_slots=FLAGS.edge_slots,
@@ -232,7 +238,6 @@ def serve_main():
         metrics = Metrics()
         transport = FLAGS.transport if art.stages > 1 else "none"
         metrics.transport.labels(transport).set(1)
-        _edges()
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
                     stage_timeout=FLAGS.stage_timeout, startup_timeout=FLAGS.startup_timeout,
                     max_frame=FLAGS.max_frame, metrics=metrics, transport=FLAGS.transport,

@@ -11,7 +11,10 @@ both ends.
   arrivals' edge in shared memory (a ring of `--edge_slots` slots) and names it in its Hello; the
   head hands the name to stage s in its Table; stage s's program pushes into it and posts, stage
   s+1's program holds until the item is in. No host thread waits for a device or relays a byte.
-  Stages of one host only; on a GPU the slots are host memory until the CUDA IPC slots come.
+  Stages of one host only; on a GPU the words and slots are pinned host memory.
+- `ipc` (GPUs of one host): as `shm`, but stage s+1's slots are device memory of its GPU,
+  allocated outside JAX, whose CUDA IPC handle travels in its Hello; stage s's program writes
+  into them over NVLink. The words stay in pinned shared memory.
 """
 
 from __future__ import annotations
@@ -51,7 +54,7 @@ class HostTransport:
         return list(arrays.values()), header
 
 
-TRANSPORTS = ("host", "shm")
+TRANSPORTS = ("host", "shm", "ipc")
 
 
 def arrivals_edge(art, kind: str, nslots: int):
@@ -61,9 +64,10 @@ def arrivals_edge(art, kind: str, nslots: int):
         return None, {"transport": "host"}
     from kernjax import edge
 
-    e = edge.SharedEdge(edge.Layout.of(art.arrivals, nslots))
+    e = edge.SharedEdge(edge.Layout.of(art.arrivals, nslots), device=kind == "ipc")
     e.bind(art.index - 1)
-    return e, {"transport": kind, "edge": e.name, "slots": nslots}
+    return e, {"transport": kind, "edge": e.name, "slots": nslots,
+               **({"ipc": e.ipc.hex()} if kind == "ipc" else {})}
 
 
 def departures_edge(art, nxt: dict):
@@ -73,9 +77,12 @@ def departures_edge(art, nxt: dict):
         return None
     from kernjax import edge
 
-    if not isinstance(nxt.get("edge"), str) or type(nxt.get("slots")) is not int:
-        raise ProtocolError(f"the next stage's shm edge is malformed: {str(nxt)[:200]}")
+    ipc = nxt.get("transport") == "ipc"
+    if not isinstance(nxt.get("edge"), str) or type(nxt.get("slots")) is not int or (
+            ipc and not isinstance(nxt.get("ipc"), str)):
+        raise ProtocolError(f"the next stage's {nxt.get('transport')} edge is malformed: "
+                            f"{str(nxt)[:200]}")
     e = edge.SharedEdge(edge.Layout.of(art.departures, nxt["slots"]), name=nxt["edge"],
-                        create=False)
+                        create=False, device=ipc, ipc=bytes.fromhex(nxt["ipc"]) if ipc else None)
     e.bind(art.index)
     return e
