@@ -15,6 +15,7 @@ commas, default "90"; SASS for each, plus PTX for the last.
     pip install --no-build-isolation -e .    # or without -e
 """
 
+import concurrent.futures
 import glob
 import os
 import re
@@ -75,13 +76,15 @@ class BuildExt(build_ext):
         cu_sources = sorted(glob.glob("csrc/*.cu"))
         if nvcc and cu_sources:
             os.makedirs(self.build_temp, exist_ok=True)
-            for src in cu_sources:
-                obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-                cmd = [nvcc, "-c", src, "-o", obj, "-O2", "-std=c++17",
-                       "-Xcompiler", "-fPIC,-fvisibility=hidden",
-                       *gencode_flags(), *(f"-I{d}" for d in ext.include_dirs)]
-                self.spawn(cmd)
-                ext.extra_objects.append(obj)
+            objs = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in cu_sources]
+            cmds = [[nvcc, "-c", src, "-o", obj, "-O2", "-std=c++17",
+                     "-Xcompiler", "-fPIC,-fvisibility=hidden",
+                     *gencode_flags(), *(f"-I{d}" for d in ext.include_dirs)]
+                    for src, obj in zip(cu_sources, objs)]
+            # one nvcc per source at once: the CUDA files are most of the build's time
+            with concurrent.futures.ThreadPoolExecutor(min(len(cmds), os.cpu_count() or 1)) as ex:
+                list(ex.map(self.spawn, cmds))
+            ext.extra_objects += objs
             include_dir, lib_dir = cuda_dirs(nvcc)
             ext.define_macros.append(("KERNJAX_CUDA", "1"))
             ext.include_dirs.append(include_dir)

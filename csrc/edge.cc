@@ -88,10 +88,13 @@ ffi::Error HoldImpl(ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> target,
   auto* w = reinterpret_cast<int32_t*>(kj::Word(*e, word));
   const int32_t want = kj::Want(*e, word, target.typed_data()[0]);
   const auto start = std::chrono::steady_clock::now();
+  long pause_ns = 2000;  // a few spins, then sleeps from 2 us doubling to 100 us between looks:
+  // a waiting stage must not take the cores its neighbour computes on
   for (int64_t spins = 0; __atomic_load_n(w, __ATOMIC_ACQUIRE) < want; ++spins) {
-    if (spins < 4096) continue;
-    timespec pause{0, 20000};  // 20 us between looks once the wait is not short
+    if (spins < 64) continue;
+    timespec pause{0, pause_ns};
     nanosleep(&pause, nullptr);
+    pause_ns = pause_ns < 100000 ? pause_ns * 2 : 100000;
     double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (waited > kj::HoldTimeout()) {
       return ffi::Error::Internal(

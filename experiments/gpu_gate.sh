@@ -8,6 +8,9 @@
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
 #   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
 #              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
+#   serve2     (nvidia-h200-x2) experiments/load.py: qwen3-4b served whole on GPU 0 vs cut at 18 on
+#              GPUs 0 and 1, for each of $TRANSPORTS (ipc shm host): packed prefill of 4.5k-9.5k-token
+#              prompts at concurrency 4 and 16 (throughput), and one 8193-token prompt at a time (TTFT)
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192) profiled and their kernjax programs compiled again by a
@@ -30,6 +33,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-out}
 mkdir -p "$OUT/logs"
 export PYTHONUNBUFFERED=1 KERNJAX_CACHE=$PWD/.kjcache XLA_PYTHON_CLIENT_PREALLOCATE=false
+export NCCL_NVLS_ENABLE=0  # the two-GPU machine: NVLink multicast stays off
 # The device copy's git may name an older commit than the tree it holds: pass KERNJAX_COMMIT.
 export KERNJAX_COMMIT=${KERNJAX_COMMIT:-}
 CHUNKS=${CHUNKS:-"512 64"}
@@ -56,7 +60,7 @@ for step in "$@"; do
   tests)
     log "tests on the GPU"
     timeout "${TEST_SECONDS:-900}" python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py} > "$OUT/logs/tests.log" 2>&1
+      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py} > "$OUT/logs/tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
@@ -107,6 +111,18 @@ for step in "$@"; do
       --gpus 0,1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48 --warmup 4 \
       --out "$OUT/k3serve" > "$OUT/logs/k3serve.log" 2>&1
     grep -E "^\|" "$OUT/logs/k3serve.log" | tail -8 | say ;;
+  serve2)
+    for t in ${TRANSPORTS:-ipc shm host}; do
+      log "qwen3-4b served: whole vs 2 stages on two GPUs, transport $t"
+      python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --seqs 16 --context 16384 \
+        --gpus 0,1 --transport "$t" --prompt_len 4500,9500 --concurrency 4,16 --requests 48 \
+        --warmup 4 --out "$OUT/logs/serve2-$t" > "$OUT/logs/serve2-$t.log" 2>&1
+      grep -E "^\||mismatch|failed requests" "$OUT/logs/serve2-$t.log" | tail -9 | say
+      python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --seqs 16 --context 16384 \
+        --gpus 0,1 --transport "$t" --prompt_len 8193,8193 --concurrency 1 --requests 6 \
+        --warmup 2 --out "$OUT/logs/ttft-$t" > "$OUT/logs/ttft-$t.log" 2>&1
+      grep -E "^\||mismatch|failed requests" "$OUT/logs/ttft-$t.log" | tail -6 | say
+    done ;;
   calls)
     log "time per call"
     for r in 512 2048; do

@@ -333,12 +333,13 @@ class Head:
                 if self.failed:
                     return
                 k, rows, t0 = self._done.popleft()
-            deadline = time.time() + self.edge_timeout
+            deadline, pause = time.time() + self.edge_timeout, 0.0001
             while self.edge.arrived < k + 1 and not self.failed:
                 if time.time() > deadline:
                     self.fail(f"item {k} did not reach stage 1 within {self.edge_timeout:g} s")
                     return
-                time.sleep(0.0002)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
             log_item(0, k, rows, t0, time.time())
 
     def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:

@@ -171,10 +171,12 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
         while True:
             k, rows, t0 = done.get()
             deadline = time.time() + timeout
+            pause = 0.0001
             while out_edge.arrived < k + 1:
                 if time.time() > deadline:
                     die(f"item {k} did not leave for stage {s + 1} within {timeout:g} s")
-                time.sleep(0.0002)
+                time.sleep(pause)
+                pause = min(2 * pause, 0.002)
             log_item(s, k, rows, t0, time.time())
 
     if not last:
