@@ -354,7 +354,12 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
              * jax.nn.softplus((f + dt_bias).astype(jnp.float32).reshape(rows, H, K)))
         beta = jax.nn.sigmoid(b.astype(jnp.float32))
         h0 = seqstate.initial(state, seq_slots, positions, cu)
-        o, final = kda.chunked(q, k, v, g, beta, cu, h0, chunk=64)
+        # The chunked form in JAX everywhere but on CUDA GPUs, where the `kj_kda` kernel runs it
+        # (csrc/kda.*: tested there against the float32 recurrence); chosen per platform, so the
+        # traced program, and the cut id, are the same on every machine.
+        o, final = jax.lax.platform_dependent(
+            q, k, v, g, beta, cu, h0, default=functools.partial(kda.chunked, chunk=64),
+            cuda=kda.flash)
         return seqstate.store(state, seq_slots, cu, final), o
 
     def o_norm(o, gate, w):
