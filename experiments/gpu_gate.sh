@@ -9,8 +9,9 @@
 #   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
 #              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
 #   serve2     (nvidia-h200-x2) experiments/load.py: qwen3-4b served whole on GPU 0 vs cut at 18 on
-#              GPUs 0 and 1, for each of $TRANSPORTS (ipc shm host): packed prefill of 4.5k-9.5k-token
-#              prompts at concurrency 4 and 16 (throughput), and one 8193-token prompt at a time (TTFT)
+#              GPUs 0 and 1, for each of $TRANSPORTS (default ipc; also shm, host): 4.5k-9.5k-token
+#              prompts at concurrency 4 and 16 packed and unpacked (--seqs 1), one 8193-token prompt
+#              at a time; experiments/serve_summary.py makes issue 8's results.json of them
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192) profiled and their kernjax programs compiled again by a
@@ -112,16 +113,23 @@ for step in "$@"; do
       --out "$OUT/k3serve" > "$OUT/logs/k3serve.log" 2>&1
     grep -E "^\|" "$OUT/logs/k3serve.log" | tail -8 | say ;;
   serve2)
-    for t in ${TRANSPORTS:-ipc shm host}; do
-      log "qwen3-4b served: whole vs 2 stages on two GPUs, transport $t"
-      python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --seqs 16 --context 16384 \
-        --gpus 0,1 --transport "$t" --prompt_len 4500,9500 --concurrency 4,16 --requests 48 \
-        --warmup 4 --out "$OUT/logs/serve2-$t" > "$OUT/logs/serve2-$t.log" 2>&1
-      grep -E "^\||mismatch|failed requests" "$OUT/logs/serve2-$t.log" | tail -9 | say
-      python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --seqs 16 --context 16384 \
-        --gpus 0,1 --transport "$t" --prompt_len 8193,8193 --concurrency 1 --requests 6 \
-        --warmup 2 --out "$OUT/logs/ttft-$t" > "$OUT/logs/ttft-$t.log" 2>&1
-      grep -E "^\||mismatch|failed requests" "$OUT/logs/ttft-$t.log" | tail -6 | say
+    # one transport takes ~8 min (3 load runs of qwen3-4b): give each its own call
+    for t in ${TRANSPORTS:-ipc}; do
+      load() {  # NAME then load.py flags
+        local name=$1; shift
+        python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --context 16384 \
+          --gpus 0,1 --transport "$t" --warmup 4 --out "$OUT/logs/$name" "$@" \
+          > "$OUT/logs/$name.log" 2>&1
+        grep -E "^\||mismatch|failed requests" "$OUT/logs/$name.log" | tail -9 | say
+      }
+      log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
+      load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+      load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+      load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
+      python experiments/serve_summary.py --run "throughput=$OUT/logs/serve2-$t" \
+        --run "unpacked=$OUT/logs/serve2-$t-seqs1" --run "ttft=$OUT/logs/ttft-$t" \
+        --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
+        --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
     done ;;
   calls)
     log "time per call"

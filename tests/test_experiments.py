@@ -94,3 +94,34 @@ def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
     got = gpuprofile.attribute(ks, ops, order)
     want = ["l0.input_norm", "l0.qkv_proj", "l0.qkv_proj", "l0.q_norm", "l0.attn", "l0.o_proj"]
     assert got == want * 2
+
+
+def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
+    """experiments/serve_summary.py: ttft_ratio, throughput_ratio and packed_gain from load.py's
+    results, and a run with a mismatched token left out and reported."""
+    import serve_summary
+
+    def run(name, rows, mismatches=()):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "results.json").write_text(json.dumps({
+            "meta": {"transport": "ipc", "argv": ["--prompt_len", "8193,8193"]},
+            "rows": [{"config": c, "concurrency": k, "ttft_p50_ms": t, "prompt_tok_s": v}
+                     for c, k, t, v in rows], "failures": [], "mismatches": list(mismatches)}))
+        return f"{name}={d}"
+
+    runs = [run("ttft", [("whole", 1, 300.0, 1.0), ("2 stages", 1, 165.0, 1.0)]),
+            run("tp", [("whole", 16, 0, 1000.0), ("2 stages", 16, 0, 1900.0)]).replace(
+                "tp=", "throughput="),
+            run("unpacked", [("whole", 16, 0, 900.0), ("2 stages", 16, 0, 1700.0)])]
+    args = [x for r in runs for x in ("--run", r)]
+    assert serve_summary.main([*args, "--gpu", "test", "--out", str(tmp_path / "out")]) == 0
+    res = json.loads((tmp_path / "out" / "results.json").read_text())
+    got = {r["metric"]: r["value"] for r in res["rows"]}
+    assert got == {"ttft_ratio": 0.55, "throughput_ratio": 1.9,
+                   "packed_gain": round(1900 / 1700 - 1, 4)}
+    assert res["transport"] == "ipc" and "8193,8193" in res["rows"][0]["config"]
+    bad = run("bad", [("whole", 1, 300.0, 1.0), ("2 stages", 1, 165.0, 1.0)], [{"i": 0}])
+    assert serve_summary.main(["--run", bad.replace("bad=", "ttft="), "--out",
+                               str(tmp_path / "o2")]) == 1
+    assert json.loads((tmp_path / "o2" / "results.json").read_text())["rows"] == []
