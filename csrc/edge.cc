@@ -57,7 +57,7 @@ void BindEdge(int64_t edge, uint64_t arrived, uint64_t taken, uint64_t base, int
       throw std::invalid_argument("a departure does not fit its slot");
   std::lock_guard<std::mutex> lock(g_mu);
   g_edges[edge] = Edge{true, arrived, taken, base, stride, nslots, std::move(offsets),
-                       std::move(sizes)};
+                       std::move(sizes), nullptr, -1};
 }
 
 void UnbindEdge(int64_t edge) {
@@ -85,6 +85,7 @@ ffi::Error HoldImpl(ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> target,
   std::string err;
   kj::Edge* e = kj::FindEdge(edge, &err);
   if (!e) return Bad("kj_hold", err);
+  if (e->comm) return Bad("kj_hold", "an NCCL edge runs on GPUs only");
   auto* w = reinterpret_cast<int32_t*>(kj::Word(*e, word));
   const int32_t want = kj::Want(*e, word, target.typed_data()[0]);
   const auto start = std::chrono::steady_clock::now();
@@ -115,6 +116,7 @@ ffi::Error RecvImpl(ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> seq, int64_
   std::string err;
   kj::Edge* e = kj::FindEdge(edge, &err);
   if (!e) return Bad("kj_recv", err);
+  if (e->comm) return Bad("kj_recv", "an NCCL edge runs on GPUs only");
   uint64_t addr = 0;
   err = kj::Place(*e, index, seq.typed_data()[0], x->size_bytes(), &addr);
   if (!err.empty()) return Bad("kj_recv", "edge " + std::to_string(edge) + ": " + err);
@@ -128,6 +130,7 @@ ffi::Error PushImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi
   std::string err;
   kj::Edge* e = kj::FindEdge(edge, &err);
   if (!e) return Bad("kj_push", err);
+  if (e->comm) return Bad("kj_push", "an NCCL edge runs on GPUs only");
   uint64_t addr = 0;
   err = kj::Place(*e, index, seq.typed_data()[0], x.size_bytes(), &addr);
   if (!err.empty()) return Bad("kj_push", "edge " + std::to_string(edge) + ": " + err);

@@ -11,6 +11,8 @@
 // The slot is picked on the device from the item's sequence number (an operand in device
 // memory): reading it on the host would wait for the stream, behind a hold.
 //   kj_post  a one-thread kernel: a system fence, then the store of the value into the word.
+// On an edge bound to NCCL (nccl.cc) recv and push are ncclRecv and ncclSend, hold passes, and
+// post marks the item done in this process's own word.
 
 #include <cuda_runtime_api.h>
 
@@ -97,12 +99,30 @@ ffi::Error DeviceWord(const char* op, uint64_t host, int32_t** dev) {
 
 kj::Edge* Find(int64_t edge, std::string* err) { return kj::FindEdge(edge, err); }
 
+// An NCCL edge (nccl.cc): no slots and no shared words; the token passes on after the send or
+// receive, in stream order.
+ffi::Error PassOn(const char* op, cudaStream_t stream, const int32_t* tok, int32_t* out) {
+  if (out != tok) cudaMemcpyAsync(out, tok, 4, cudaMemcpyDeviceToDevice, stream);
+  return Check(op, cudaGetLastError());
+}
+
+ffi::Error Nccl(const char* op, cudaStream_t stream, const kj::Edge& e, bool send, void* buf,
+                uint64_t bytes, int64_t index, const int32_t* tok, int32_t* out) {
+  if (index < 0 || index >= static_cast<int64_t>(e.sizes.size()) ||
+      static_cast<int64_t>(bytes) != e.sizes[index])
+    return Fail(op, "departure " + std::to_string(index) + " does not match the edge");
+  std::string err = kj::NcclMove(e, send, buf, bytes, stream);
+  if (!err.empty()) return Fail(op, err);
+  return PassOn(op, stream, tok, out);
+}
+
 ffi::Error HoldImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> target,
                     ffi::RemainingArgs, int64_t edge, int64_t word,
                     ffi::Result<ffi::Buffer<ffi::S32>> out) {
   std::string err;
   kj::Edge* e = Find(edge, &err);
   if (!e) return Fail("kj_hold", err);
+  if (e->comm) return PassOn("kj_hold", stream, tok.typed_data(), out->typed_data());
   int32_t* w = nullptr;
   if (auto r = DeviceWord("kj_hold", kj::Word(*e, word), &w); r.failure()) return r;
   // the kernel reads the item on the device: want = item - less
@@ -118,6 +138,9 @@ ffi::Error RecvImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tok, ffi::Buffer<
   std::string err;
   kj::Edge* e = Find(edge, &err);
   if (!e) return Fail("kj_recv", err);
+  if (e->comm)
+    return Nccl("kj_recv", stream, *e, false, x->untyped_data(), x->size_bytes(), index,
+                tok.typed_data(), out->typed_data());
   return Copy("kj_recv", stream, *e, edge, index, x->size_bytes(), x->untyped_data(),
               seq.typed_data(), false, tok.typed_data(), out->typed_data());
 }
@@ -128,6 +151,9 @@ ffi::Error PushImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::S32>
   std::string err;
   kj::Edge* e = Find(edge, &err);
   if (!e) return Fail("kj_push", err);
+  if (e->comm)
+    return Nccl("kj_push", stream, *e, true, x.untyped_data(), x.size_bytes(), index,
+                tok.typed_data(), out->typed_data());
   return Copy("kj_push", stream, *e, edge, index, x.size_bytes(), x.untyped_data(),
               seq.typed_data(), true, tok.typed_data(), out->typed_data());
 }

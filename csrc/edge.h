@@ -30,6 +30,8 @@ struct Edge {
   int64_t stride = 0;    // bytes from one slot to the next
   int32_t nslots = 0;
   std::vector<int64_t> offsets, sizes;  // each departure's place in a slot
+  void* comm = nullptr;  // NCCL: the departures go by ncclSend/ncclRecv to `peer`, no slots;
+  int peer = -1;         // the words are this process's own (post marks an item done)
 };
 
 constexpr int kMaxEdges = 64;
@@ -43,6 +45,14 @@ double HoldTimeout();
 void BindEdge(int64_t edge, uint64_t arrived, uint64_t taken, uint64_t base, int64_t stride,
               int32_t nslots, std::vector<int64_t> offsets, std::vector<int64_t> sizes);
 void UnbindEdge(int64_t edge);
+// NCCL (nccl.cc, CUDA builds): the library loaded from `path`, a unique id, and an edge bound to a
+// two-rank communicator (this process `rank`, the other 1 - rank); blocks until both have joined.
+void NcclLoad(const std::string& path);
+std::string NcclUniqueId();
+void NcclBindEdge(int64_t edge, uint64_t arrived, uint64_t taken, const std::string& uid, int rank,
+                  std::vector<int64_t> sizes);
+// Enqueue a send or receive of `bytes` on `stream` (a cudaStream_t); empty string on success.
+std::string NcclMove(const Edge& e, bool send, void* buf, uint64_t bytes, void* stream);
 void SetHoldTimeout(double seconds);
 
 // The word of `edge` a hold waits on or a post writes: 0 arrived, 1 taken.

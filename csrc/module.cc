@@ -239,6 +239,14 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("ipc_open", &IpcOpen, py::arg("handle"), "Maps another process's device_alloc memory.");
   m.def("device_free", &DeviceFree, py::arg("addr"), py::arg("opened") = false,
         "Frees device_alloc memory, or (opened=True) unmaps ipc_open memory.");
+  m.def("nccl_load", &kj::NcclLoad, py::arg("path"), "Loads NCCL (libnccl.so.2) from `path`.");
+  m.def("nccl_unique_id", []() { return py::bytes(kj::NcclUniqueId()); },
+        "A new NCCL unique id (128 bytes) for one edge's communicator.");
+  m.def("nccl_bind_edge", &kj::NcclBindEdge, py::arg("edge"), py::arg("arrived"),
+        py::arg("taken"), py::arg("uid"), py::arg("rank"), py::arg("sizes"),
+        py::call_guard<py::gil_scoped_release>(),
+        "Binds `edge` to a two-rank NCCL communicator (upstream rank 0, downstream 1); blocks "
+        "until both stages have joined. The words are this process's own.");
   m.def("unbind_edge", &kj::UnbindEdge, py::arg("edge"), "Forgets edge `edge`'s binding.");
   m.def("set_hold_timeout", &kj::SetHoldTimeout, py::arg("seconds"),
         "Seconds a hold waits before it fails (CPU) or traps (CUDA); 60 by default.");

@@ -26,6 +26,8 @@
 #   TEST_SECONDS=230 TESTS="A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=210 TESTS="B" CHUNKS=64 gpu_gate.sh tests chain
 #   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
+# On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests, then
+# TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host, a call each).
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.

@@ -21,9 +21,13 @@ these ops, so its bits are what they always were.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
+import os
+import threading
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -128,6 +132,67 @@ class SharedEdge:
         self.shm.close()
         if unlink:
             self.shm.unlink()
+
+
+class NcclEdge:
+    """An edge between hosts: each item's departures go by NCCL send/receive on the stages'
+    streams (csrc/nccl.cc), rank 0 upstream and rank 1 downstream of a two-rank communicator
+    whose unique id the downstream stage makes and names in its Hello. No slots; the words are
+    this process's own pinned memory, where `post` marks an item done for the watcher."""
+
+    def __init__(self, layout: Layout, *, uid: bytes | None = None, rank: int):
+        ext = load_nccl()
+        self.layout, self.rank = layout, rank
+        self.uid = uid if uid is not None else ext.nccl_unique_id()
+        self.words_addr = ext.host_alloc(HEADER, mapped=True)
+        self.words = np.ctypeslib.as_array((ctypes.c_int32 * (HEADER // 4)).from_address(
+            self.words_addr))
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def arrived(self) -> int:
+        return int(self.words[0])
+
+    def bind(self, edge: int) -> None:
+        """Joins the communicator (blocks until the other stage joins too)."""
+        load_nccl().nccl_bind_edge(edge, self.words_addr, self.words_addr + 64, self.uid,
+                                   self.rank, list(self.layout.sizes))
+
+    def bind_in_background(self, edge: int) -> None:
+        def go():
+            try:
+                self.bind(edge)
+            except BaseException as e:  # noqa: BLE001 (reported by `wait`)
+                self._error = e
+
+        self._thread = threading.Thread(target=go, name=f"nccl-edge{edge}", daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout: float) -> None:
+        """After `bind_in_background`: raises if the other stage did not join in `timeout` s."""
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise RuntimeError(f"the stage before did not join the NCCL edge within {timeout:g} s")
+        if self._error:
+            raise RuntimeError(f"the NCCL edge failed: {self._error}")
+
+
+def load_nccl():
+    """The extension with NCCL loaded: `$KERNJAX_NCCL`, else the nvidia-nccl wheel's library,
+    else `libnccl.so.2` from the loader's path."""
+    ffi.register()
+    ext = ffi._extension()
+    path = os.environ.get("KERNJAX_NCCL")
+    if not path:
+        try:
+            import nvidia.nccl  # the wheel cupy and torch bring
+
+            path = str(Path(list(nvidia.nccl.__path__)[0]) / "lib" / "libnccl.so.2")
+        except ImportError:
+            path = "libnccl.so.2"
+    ext.nccl_load(path)
+    return ext
 
 
 def set_hold_timeout(seconds: float) -> None:

@@ -33,10 +33,11 @@ def _port() -> int:
 
 
 class Proc:
-    def __init__(self, args, log: Path):
+    def __init__(self, args, log: Path, gpu: int | None = None):
         self.log = log
+        env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
         self.p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", *args],
-                                  stdout=log.open("w"), stderr=subprocess.STDOUT)
+                                  stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
     def text(self) -> str:
         return self.log.read_text()
@@ -48,30 +49,32 @@ class Proc:
             time.sleep(0.2)
 
 
-def _head(stage_dir: Path, pp: int, port: int, log: Path, *extra: str) -> Proc:
+def _head(stage_dir: Path, pp: int, port: int, log: Path, *extra: str, gpu=None) -> Proc:
     return Proc(["--stage_dir", str(stage_dir), "--pp_listen", f"127.0.0.1:{pp}",
-                 "--port", str(port), *extra], log)
+                 "--port", str(port), *extra], log, gpu)
 
 
-def _joiner(stage_dir: Path, pp: int, log: Path, *extra: str) -> Proc:
-    return Proc(["--stage_dir", str(stage_dir), "--pp_head", f"127.0.0.1:{pp}", *extra], log)
+def _joiner(stage_dir: Path, pp: int, log: Path, *extra: str, gpu=None) -> Proc:
+    return Proc(["--stage_dir", str(stage_dir), "--pp_head", f"127.0.0.1:{pp}", *extra], log,
+                gpu)
 
 
 class Pipeline:
     """A head and its stages, started from one cut directory; stopped at the end."""
 
     def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60,
-                 extra: tuple = ()):
+                 extra: tuple = (), gpus: int = 0):
         self.port, pp = _port(), _port()
         self.http = f"http://127.0.0.1:{self.port}"
         if stages == 1:  # flags from a file, as absl allows
             (tmp / "whole.flags").write_text(f"--stage_dir={cut / 'whole'}\n--port={self.port}\n")
             self.procs = [Proc([f"--flagfile={tmp / 'whole.flags'}"], tmp / "whole.log")]
         else:
+            gpu = (lambda s: s % gpus) if gpus else (lambda s: None)  # noqa: E731
             self.procs = [_head(cut / "stage0", pp, self.port, tmp / "stage0.log",
-                                "--stage_timeout", str(timeout), *extra)]
-            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log", *extra)
-                           for s in range(1, stages)]
+                                "--stage_timeout", str(timeout), *extra, gpu=gpu(0))]
+            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log", *extra,
+                                   gpu=gpu(s)) for s in range(1, stages)]
         self.pp = pp
         deadline = time.time() + 120
         while time.time() < deadline:  # the head binds HTTP first, and says "serving" once joined
@@ -253,15 +256,35 @@ def test_stages_with_different_transports_are_refused(cuts, tmp_path):
             p.p.wait()
 
 
-def test_the_ipc_transport_on_the_cpu_is_refused_with_what_to_use(cuts, tmp_path):
-    p = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", "127.0.0.1:9",
-              "--transport", "ipc"], tmp_path / "ipc.log")
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU transports need GPUs")
+@pytest.mark.parametrize("kind", ["shm", "ipc", "nccl"])
+def test_gpu_transports_give_the_single_process_servers_tokens(cuts, servers, tmp_path, kind):
+    """Each stage on its own GPU where there are two (NCCL wants them): the edge ops' CUDA
+    handlers move the activations, and the answers are the single-process server's."""
+    gpus = jax.device_count()
+    if kind == "nccl" and gpus < 2:
+        pytest.skip("NCCL puts its two ranks on two GPUs")
+    prompts = _prompts()
+    want = _tokens(_complete(servers[1].http, prompts, concurrent=False))
+    pipe = Pipeline(cuts[2], tmp_path, stages=2, extra=("--transport", kind), gpus=gpus)
+    try:
+        assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
+        assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
+            (want * 3)[:16], pipe.logs()
+        assert _metric(pipe.http, f'kernjax_transport{{kind="{kind}"}}') == 1
+    finally:
+        pipe.stop()
+
+
+@pytest.mark.parametrize("kind", ["ipc", "nccl"])
+def test_gpu_transports_on_the_cpu_are_refused_with_what_to_use(cuts, tmp_path, kind):
     if jax.default_backend() == "gpu":
-        p.p.kill()
-        pytest.skip("a GPU process may use --transport ipc")
+        pytest.skip(f"a GPU process may use --transport {kind}")
+    p = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", "127.0.0.1:9",
+              "--transport", kind], tmp_path / f"{kind}.log")
     assert p.p.wait(60) == 2, p.text()
-    assert "--transport ipc moves activations between GPUs; this process runs on cpu: use " \
-        "--transport shm" in p.text()
+    assert f"--transport {kind} moves activations between GPUs; this process runs on cpu: use " \
+        "--transport shm (one host) or host" in p.text()
 
 
 def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path):

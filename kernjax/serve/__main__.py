@@ -99,9 +99,10 @@ def _edges() -> None:
 
         from kernjax import edge
 
-        if FLAGS.transport == "ipc" and jax.default_backend() != "gpu":
-            raise ValueError(f"--transport ipc moves activations between GPUs; this process runs "
-                             f"on {jax.default_backend()}: use --transport shm")
+        if FLAGS.transport in ("ipc", "nccl") and jax.default_backend() != "gpu":
+            raise ValueError(f"--transport {FLAGS.transport} moves activations between GPUs; this "
+                             f"process runs on {jax.default_backend()}: use --transport shm (one "
+                             "host) or host")
         edge.set_hold_timeout(FLAGS.stage_timeout)
 
 
@@ -174,11 +175,12 @@ def serve_main():
                        "gives up on it (the head pings every quarter of it; at least 1)")
     flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join (head), "
                        "or for the head to be up (a stage)")
-    flags.DEFINE_enum("transport", "host", ["host", "shm", "ipc"], "how activations go from "
-                      "stage to stage: `host` over the stage links (any hosts), `shm` by the "
+    flags.DEFINE_enum("transport", "host", ["host", "shm", "ipc", "nccl"], "how activations go "
+                      "from stage to stage: `host` over the stage links (any hosts), `shm` by the "
                       "stages' programs through shared memory (stages of one host; "
-                      "kernjax/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC); "
-                      "every stage of a pipeline gives the same")
+                      "kernjax/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC), "
+                      "`nccl` by NCCL send/receive in the programs (GPUs of any hosts); every "
+                      "stage of a pipeline gives the same")
     flags.DEFINE_integer("edge_slots", 2, "--transport shm: items an edge holds, so a stage can "
                          "run that many items ahead of the next")
     flags.DEFINE_string("served_model_name", None, "model name in the API (default: the model's)")

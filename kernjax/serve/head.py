@@ -178,8 +178,8 @@ class Head:
             if nxt:
                 table["next"] = {"address": f"{nxt[2]}:{nxt[1]['listen']}",
                                  "arrivals": nxt[1]["arrivals"],
-                                 **{k: nxt[1][k] for k in ("transport", "edge", "slots")
-                                    if k in nxt[1]}}
+                                 **{k: nxt[1][k] for k in ("transport", "edge", "slots", "ipc",
+                                                           "nccl") if k in nxt[1]}}
             conn.send("TABLE", table)
             self.conns[s] = conn
             self.fills[s] = hello["fills"]

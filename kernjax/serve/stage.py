@@ -102,8 +102,13 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         prev = HostTransport(got[0], art.arrivals)
     except (OSError, RuntimeError, ValueError, ProtocolError, Closed) as e:
         die(f"cannot join the pipeline: {e}")
+    if hasattr(in_edge, "wait"):  # NCCL: the communicator with the stage before
+        try:
+            in_edge.wait(60)
+        except RuntimeError as e:
+            die(str(e))
     say(f"joined cut `{art.cut_id}` ({table['pages']} pages), transport {transport}"
-        + (f" ({edge_slots} slots per edge)" if in_edge else ""))
+        + (f" ({edge_slots} slots per edge)" if in_edge and transport != "nccl" else ""))
 
     items: queue.Queue = queue.Queue()
 

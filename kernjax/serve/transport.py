@@ -12,6 +12,10 @@ both ends.
   head hands the name to stage s in its Table; stage s's program pushes into it and posts, stage
   s+1's program holds until the item is in. No host thread waits for a device or relays a byte.
   Stages of one host only; on a GPU the words and slots are pinned host memory.
+- `nccl` (GPUs of any hosts): the programs' push and receive are NCCL sends and receives on
+  the stages' streams, through a two-rank communicator per edge whose unique id stage s+1 makes
+  and names in its Hello (`kernjax.edge.NcclEdge`; NCCL's own flow control stands in for the
+  slots).
 - `ipc` (GPUs of one host): as `shm`, but stage s+1's slots are device memory of its GPU,
   allocated outside JAX, whose CUDA IPC handle travels in its Hello; stage s's program writes
   into them over NVLink. The words stay in pinned shared memory.
@@ -54,7 +58,7 @@ class HostTransport:
         return list(arrays.values()), header
 
 
-TRANSPORTS = ("host", "shm", "ipc")
+TRANSPORTS = ("host", "shm", "ipc", "nccl")
 
 
 def arrivals_edge(art, kind: str, nslots: int):
@@ -64,6 +68,10 @@ def arrivals_edge(art, kind: str, nslots: int):
         return None, {"transport": "host"}
     from kernjax import edge
 
+    if kind == "nccl":  # the communicator forms once the stage before joins (`wait`)
+        e = edge.NcclEdge(edge.Layout.of(art.arrivals, 1), rank=1)
+        e.bind_in_background(art.index - 1)
+        return e, {"transport": kind, "nccl": e.uid.hex()}
     e = edge.SharedEdge(edge.Layout.of(art.arrivals, nslots), device=kind == "ipc")
     e.bind(art.index - 1)
     return e, {"transport": kind, "edge": e.name, "slots": nslots,
@@ -77,6 +85,13 @@ def departures_edge(art, nxt: dict):
         return None
     from kernjax import edge
 
+    if nxt.get("transport") == "nccl":
+        if not isinstance(nxt.get("nccl"), str):
+            raise ProtocolError(f"the next stage's nccl edge is malformed: {str(nxt)[:200]}")
+        e = edge.NcclEdge(edge.Layout.of(art.departures, 1), uid=bytes.fromhex(nxt["nccl"]),
+                          rank=0)
+        e.bind(art.index)
+        return e
     ipc = nxt.get("transport") == "ipc"
     if not isinstance(nxt.get("edge"), str) or type(nxt.get("slots")) is not int or (
             ipc and not isinstance(nxt.get("ipc"), str)):
