@@ -12,6 +12,8 @@
 #              GPUs 0 and 1, for each of $TRANSPORTS (default ipc; also shm, host): 4.5k-9.5k-token
 #              prompts at concurrency 4 and 16 packed and unpacked (--seqs 1), one 8193-token prompt
 #              at a time; experiments/serve_summary.py makes issue 8's results.json of them
+#   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
+#              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192) profiled and their kernjax programs compiled again by a
@@ -26,8 +28,8 @@
 #   TEST_SECONDS=230 TESTS="A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=210 TESTS="B" CHUNKS=64 gpu_gate.sh tests chain
 #   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
-# On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests, then
-# TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host, a call each).
+# On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
+# transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each).
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.
@@ -132,6 +134,13 @@ for step in "$@"; do
         --run "unpacked=$OUT/logs/serve2-$t-seqs1" --run "ttft=$OUT/logs/ttft-$t" \
         --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
         --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
+    done ;;
+  transfer)
+    for t in ${TRANSPORTS:-ipc nccl shm}; do
+      log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
+      python experiments/transfer.py --transport "$t" --gpus 0,1 --items 500 \
+        --out "$OUT/logs/transfer-$t.json" > "$OUT/logs/transfer-$t.log" 2>&1
+      tail -12 "$OUT/logs/transfer-$t.log" | say
     done ;;
   calls)
     log "time per call"

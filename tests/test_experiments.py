@@ -125,3 +125,16 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     assert serve_summary.main(["--run", bad.replace("bad=", "ttft="), "--out",
                                str(tmp_path / "o2")]) == 1
     assert json.loads((tmp_path / "o2" / "results.json").read_text())["rows"] == []
+
+
+def test_transfer_benchmark_moves_items_between_two_processes(tmp_path):
+    """experiments/transfer.py over the shm transport on the CPU: every item arrives (the
+    receiver's check) and the per-item times are written."""
+    out = tmp_path / "t.json"
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "transfer.py"), "--transport",
+                        "shm", "--items", "20", "--shape", "16,16", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["check"] and got["bytes_per_item"] == 2 * 16 * 16 * 2 and got["us_per_item"] > 0
