@@ -107,6 +107,15 @@ class Runner:
                 self.states[s.name] = jax.device_put(np.zeros(s.shape, ckpts.np_dtype(s.dtype)),
                                                      self.device)
 
+    def memory(self) -> dict[str, int | None]:
+        """Bytes the stage needs (its weights, its states) and the device's peak so far (None
+        where the backend does not say: the CPU)."""
+        need = {k: int(sum(s.nbytes for s in self.art.inputs if s.role == k))
+                for k in ("weight", "state")}
+        stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
+        return {"weights": need["weight"], "states": need["state"],
+                "peak": (stats or {}).get("peak_bytes_in_use")}
+
     def warm(self) -> None:
         """Compiles by running an empty item: every row is padding, so no state changes."""
         arrivals = [np.zeros(s.shape, ckpts.np_dtype(s.dtype)) for s in self.art.arrivals]

@@ -250,6 +250,8 @@ def serve_main():
                        api_key=FLAGS.api_key, max_connections=FLAGS.max_connections,
                        body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts)
         url = f"http://{FLAGS.host}:{FLAGS.port}"
+        from kernjax.serve.stage import memory_line
+        print(f"head: {memory_line(runner.memory())}", file=sys.stderr)
         _start_http(app, http)
         if art.stages > 1:
             print(f"head: {url}/health answers 503 until every stage has joined", file=sys.stderr)

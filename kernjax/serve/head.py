@@ -129,6 +129,8 @@ class Head:
 
     def join(self) -> None:
         """Waits for the other stages (RuntimeError after `startup_timeout`), then serves."""
+        if self.metrics:
+            self.metrics.memory(0, self.runner.memory())
         if self.stages > 1:
             pages = self._gather(self.startup_timeout)
             with self.cond:
@@ -183,6 +185,8 @@ class Head:
             conn.send("TABLE", table)
             self.conns[s] = conn
             self.fills[s] = hello["fills"]
+            if self.metrics and isinstance(hello.get("memory"), dict):
+                self.metrics.memory(s, hello["memory"])
             self.seen[s] = time.time()
         conn = connect(f"{hellos[1][2]}:{hellos[1][1]['listen']}", "stage 1", 60,
                        limit=self.max_frame)

@@ -30,6 +30,18 @@ from kernjax.serve.transport import HostTransport, arrivals_edge, departures_edg
 from kernjax.timeline import log_item
 
 
+def memory_line(m: dict) -> str:
+    """What a stage holds on its device, for its startup line."""
+    def gib(b: int) -> str:
+        unit = next(u for u in (3, 2, 1, 0) if b >= 1024 ** u or u == 0)
+        return f"{b / 1024 ** unit:.{2 if unit == 3 else 1}f} {['B', 'KiB', 'MiB', 'GiB'][unit]}"
+
+    peak = f"device peak {gib(m['peak'])}" if m.get("peak") else \
+        "device peak not reported by this backend"
+    return (f"weights {gib(m['weights'])} + states {gib(m['states'])} = "
+            f"{gib(m['weights'] + m['states'])}; {peak}")
+
+
 def _slots(xs):
     return [[x.name, x.dtype, list(x.shape)] for x in xs]
 
@@ -72,7 +84,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
                              "pages": art.item.pages, "listen": server.getsockname()[1],
                              "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
-                             "fills": fills, **via})
+                             "fills": fills, "memory": runner.memory(), **via})
         table, _ = hconn.expect("TABLE")
         if type(table.get("pages")) is not int or not (
                 table.get("next") is None or isinstance(table["next"], dict)):
@@ -107,6 +119,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             in_edge.wait(60)
         except RuntimeError as e:
             die(str(e))
+    say(memory_line(runner.memory()))
     say(f"joined cut `{art.cut_id}` ({table['pages']} pages), transport {transport}"
         + (f" ({edge_slots} slots per edge)" if in_edge and transport != "nccl" else ""))
 
