@@ -137,18 +137,23 @@ class Runner:
         """Issues item `k` through the program with edge ops (`kernjax.edge`): its arrivals come
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
+        self.compile_edged()
+        out = self.edged(*self._args(item), np.asarray([k], np.int32))
+        return self._keep(out[:-1]), out[-1]
+
+    def compile_edged(self) -> None:
+        """Compiles the program with edge ops (once), without running it: running it would wait
+        for the neighbours."""
         art = self.art
-        if art.edged is None:
-            raise StageError(f"stage {art.index} (`{art.path}`) has no program with edge ops: "
-                             "re-cut it with this kernjax")
         if self.edged is None:
+            if art.edged is None:
+                raise StageError(f"stage {art.index} (`{art.path}`) has no program with edge "
+                                 "ops: re-cut it with this kernjax")
             specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype)) for s in art.inputs]
             specs.append(jax.ShapeDtypeStruct((1,), np.int32))
             with xla.compile_lock():
                 self.edged = jax.jit(art.edged.call, donate_argnums=self.donate).lower(
                     *specs).compile()
-        out = self.edged(*self._args(item), np.asarray([k], np.int32))
-        return self._keep(out[:-1]), out[-1]
 
     def _keep(self, out) -> dict[str, jax.Array]:
         outputs = {}

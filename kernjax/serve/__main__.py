@@ -92,6 +92,16 @@ def _log_to() -> None:
         print(f"logging to {path}", file=sys.stderr)
 
 
+def _warm(runner) -> None:
+    """Compiles what this stage will run before it joins: its program with edge ops where the
+    transport moves activations on the device (running that would wait for the neighbours),
+    else the plain one, run on an empty item."""
+    if FLAGS.transport != "host" and runner.art.stages > 1:
+        runner.compile_edged()
+    else:
+        runner.warm()
+
+
 def _edges() -> None:
     """--transport shm/ipc: a hold waits for a neighbour as long as the head waits for a stage."""
     if FLAGS.transport != "host":
@@ -228,7 +238,7 @@ def serve_main():
             if not FLAGS.pp_head:
                 raise ValueError(f"`{art.path}` is stage {art.index} of {art.stages}; give "
                                  "--pp_head HOST:PORT (the head's --pp_listen)")
-            runner.warm()
+            _warm(runner)
             serve_stage(runner, head=FLAGS.pp_head, host=FLAGS.host,
                         startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame,
                         transport=FLAGS.transport, edge_slots=FLAGS.edge_slots,
@@ -236,7 +246,7 @@ def serve_main():
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
         http = _bind_http(FLAGS.host, FLAGS.port)  # before compiling: a taken port fails at once
-        runner.warm()
+        _warm(runner)
         metrics = Metrics()
         transport = FLAGS.transport if art.stages > 1 else "none"
         metrics.transport.labels(transport).set(1)
