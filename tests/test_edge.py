@@ -196,3 +196,28 @@ def test_the_whole_program_calls_no_edge_op_and_a_stage_calls_all(built):
     assert all(f"@kj_{op}" in t0 or f'"kj_{op}"' in t0 for op in ("hold", "push", "post"))
     assert all(f"@kj_{op}" in t1 or f'"kj_{op}"' in t1 for op in ("hold", "recv", "post"))
     assert "kj_recv" not in t0 and "kj_push" not in t1
+
+
+def test_a_stage_whose_edged_program_fails_to_export_still_serves_and_says_so(built, tmp_path,
+                                                                              monkeypatch, capsys):
+    """The plain program is what the host transport runs: an edged export that fails costs only
+    the device transports, with a warning at cut time and a clear refusal later."""
+    program, _ = built
+    real = artifacts.export_stage
+
+    def flaky(stage, platform=None, *, edged=False):
+        if edged:
+            raise RuntimeError("no custom calls here")
+        return real(stage, platform)
+
+    monkeypatch.setattr(artifacts, "export_stage", flaky)
+    s0, _ = cut(program, [14])
+    meta = dict(model=model_meta(FAM, CFG), checkpoint={"model": CFG.name, "seed": 0,
+                                                        "dtype": CFG.dtype},
+                dtype=CFG.dtype, item=item_shape(program, FAM.PAGE))
+    art = artifacts.read(artifacts.write(tmp_path / "s0", s0, **meta))
+    assert "could not be exported (RuntimeError: no custom calls here)" in capsys.readouterr().err
+    assert art.edged is None and "edged" not in art.manifest
+    r = Runner(art, load_weights(art, checkpoint_dir(meta["checkpoint"])))
+    with pytest.raises(Exception, match="has no program with edge ops: re-cut it"):
+        r.run_edged(items(CHUNK, 6)[0], 0)
