@@ -79,6 +79,13 @@ ffi::Error Copy(const char* op, cudaStream_t stream, const kj::Edge& e, int64_t 
   uint64_t addr = 0;
   std::string err = kj::Place(e, index, 0, bytes, &addr);  // slot 0: the kernel adds the item's
   if (!err.empty()) return Fail(op, "edge " + std::to_string(edge) + ": " + err);
+  // Host slots (shared memory, registered and mapped) are reached through the device's view of
+  // them; device slots (CUDA IPC) are device addresses already.
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(e.base)) == cudaSuccess &&
+      attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr)
+    addr = reinterpret_cast<uint64_t>(attr.devicePointer) + (addr - e.base);
+  cudaGetLastError();  // an unregistered pointer's query leaves an error behind: clear it
   char* slot = reinterpret_cast<char*>(addr);
   int blocks = static_cast<int>(std::min<uint64_t>(264, (bytes / 16 + 255) / 256 + 1));
   CopyKernel<<<blocks, 256, 0, stream>>>(to_slot ? slot : static_cast<char*>(local),
