@@ -230,7 +230,8 @@ def test_derive_stages_sources_first_fit_and_makes_the_shuffle_layout():
 
 def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     """k3-mini cut at layer 2 served as two processes (slots leased with pages by the head) and
-    as one, on 7 prompts one at a time and all at once (packed): the same first tokens."""
+    as one, on 7 prompts one at a time and all at once (packed): the same first tokens, over the
+    host transport and over shared memory."""
     import subprocess
     import sys
 
@@ -244,20 +245,22 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     assert p.returncode == 0, p.stderr
     rng = np.random.default_rng(7)
     ps = [rng.integers(0, CFG.vocab, n).tolist() for n in (1, 31, 32, 33, 100, 200, 500)]
-    for d in ("one", "two"):
-        (tmp_path / d).mkdir()
+    (tmp_path / "one").mkdir()
     one = Serving(out, tmp_path / "one", stages=1)
     try:
         want = _tokens(_complete(one.http, ps, concurrent=False, model="k3-mini"))
     finally:
         one.stop()
-    two = Serving(out, tmp_path / "two", stages=2)
-    try:
-        assert _tokens(_complete(two.http, ps, concurrent=False, model="k3-mini")) == want
-        assert _tokens(_complete(two.http, ps, concurrent=True, model="k3-mini")) == want
-        assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
-    finally:
-        two.stop()
+    for transport in ("host", "shm"):  # shm: the stages' programs move the activations
+        (tmp_path / f"two-{transport}").mkdir()
+        two = Serving(out, tmp_path / f"two-{transport}", stages=2,
+                      extra=("--transport", transport))
+        try:
+            assert _tokens(_complete(two.http, ps, concurrent=False, model="k3-mini")) == want
+            assert _tokens(_complete(two.http, ps, concurrent=True, model="k3-mini")) == want
+            assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
+        finally:
+            two.stop()
 
 
 def test_a_stage_derives_only_what_its_calls_read(tmp_path):
