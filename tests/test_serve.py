@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -289,6 +290,29 @@ def test_gpu_transports_on_the_cpu_are_refused_with_what_to_use(cuts, tmp_path, 
     assert p.p.wait(60) == 2, p.text()
     assert f"--transport {kind} moves activations between GPUs; this process runs on cpu: use " \
         "--transport shm (one host) or host" in p.text()
+
+
+def test_a_frozen_stage_ends_an_shm_pipeline_within_the_stage_timeout(cuts, tmp_path):
+    """Stage 1 stopped while the head's programs may be held on the device waiting for its
+    slots: the heartbeat still finds it, the request gets a 503 naming it, the head exits."""
+    pipe = Pipeline(cuts[2], tmp_path, stages=2, timeout=3, extra=("--transport", "shm",
+                                                                    "--edge_slots", "1"))
+    try:
+        os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)
+        t0 = time.time()
+        res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(4)]))
+        assert all(s == 503 and re.search(r"stage 1 stopped (answering|taking items)",
+                                          r["error"]["message"]) for s, r in res), res
+        assert time.time() - t0 < 10
+        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
+    finally:
+        os.kill(pipe.procs[1].p.pid, signal.SIGCONT)
+        pipe.stop()
+
+
+async def _many(url, bodies):
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+        return await asyncio.gather(*(_post(s, url, b) for b in bodies))
 
 
 def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path):

@@ -340,7 +340,8 @@ class Head:
             deadline, pause = time.time() + self.edge_timeout, 0.0001
             while self.edge.arrived < k + 1 and not self.failed:
                 if time.time() > deadline:
-                    self.fail(f"item {k} did not reach stage 1 within {self.edge_timeout:g} s")
+                    self.fail(f"stage 1 stopped taking items: item {k} waited {self.edge_timeout:g} "
+                              "s for its slot (--stage_timeout)")
                     return
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)

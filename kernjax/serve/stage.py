@@ -192,7 +192,8 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
             pause = 0.0001
             while out_edge.arrived < k + 1:
                 if time.time() > deadline:
-                    die(f"item {k} did not leave for stage {s + 1} within {timeout:g} s")
+                    die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for "
+                        "its slot")
                 time.sleep(pause)
                 pause = min(2 * pause, 0.002)
             log_item(s, k, rows, t0, time.time())
