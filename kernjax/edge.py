@@ -11,12 +11,16 @@ k (an int32[1] operand, so nothing recompiles from item to item):
              push the departures into slot k, post arrived = k+1.
 
 A stage's host thread can so issue item k before item k's arrivals exist: the device waits, the
-host never does. `SharedEdge` is the memory of processes on one host (POSIX shared memory; on a
-GPU the same pages pinned and mapped), so the words and slots the upstream writes are the bytes
-the downstream reads and nothing relays them (on a GPU the pages are pinned and mapped, so the
-device reads and writes them directly; CUDA IPC slots in device memory are to come). The whole
-program has no edges and calls none of
-these ops, so its bits are what they always were.
+host never does. The memory of an edge:
+
+  `SharedEdge`            POSIX shared memory, mapped by both stages of one host: the words and
+                          slots the upstream writes are the bytes the downstream reads, and
+                          nothing relays them (on a GPU the pages are pinned and mapped, so the
+                          device reads and writes them directly);
+  `SharedEdge(device=)`   the words there, the slots in the downstream GPU's memory (CUDA IPC);
+  `NcclEdge`              no slots: push and receive are NCCL sends and receives (any hosts).
+
+The whole program has no edges and calls none of these ops, so its bits are what they always were.
 """
 
 from __future__ import annotations
