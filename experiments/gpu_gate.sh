@@ -23,10 +23,12 @@
 #
 # A device call may run 10 minutes; a session has 30 and each call's build takes ~50 s. Measured
 # on one H200 (2026-11-30): the GPU test files ~430 s together, the 3 chains ~170 s at chunk 512
-# and ~140 s at chunk 64 (warm caches), the prefill benchmark wants ~450 s. The final gates in
-# three calls (the test files split in two halves, A and B):
-#   TEST_SECONDS=230 TESTS="A" CHUNKS=512 gpu_gate.sh tests chain
-#   TEST_SECONDS=210 TESTS="B" CHUNKS=64 gpu_gate.sh tests chain
+# and ~140 s at chunk 64 (warm caches; the cut also exports each stage's edged program now), the
+# prefill benchmark wants ~450 s. The final gates in three calls (~1,500 s with the starts):
+#   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
+#   B="tests/test_attention_pallas.py tests/test_mxfp4.py tests/test_kda.py tests/test_edge.py"
+#   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
+#   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain        (then CHUNKS=512 k3 if time)
 #   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
 # On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
 # transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each).
