@@ -39,28 +39,15 @@ def side(rank: int, a, q_out, q_in, res) -> None:
 
     shape = tuple(int(x) for x in a.shape.split(","))
     slots = [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
-    lay = edge.Layout.of(slots, a.slots)
-    if rank == 1:  # the receiver makes the edge, as a serving stage does, and names it
-        if a.transport == "nccl":
-            e = edge.NcclEdge(edge.Layout.of(slots, 1), rank=1)
-            q_out.put({"nccl": e.uid})
-            e.bind(0)
-        else:
-            e = edge.SharedEdge(lay, device=a.transport == "ipc")
-            q_out.put({"name": e.name, "ipc": e.ipc})
-            e.bind(0)
+    if rank == 1:  # the receiver makes the edge and names it, as a serving stage does
+        e, fields = edge.receiving(slots, 0, a.transport, a.slots)
+        q_out.put(fields)
+        e.ready(120)
         fn = edge.edged(lambda *xs: [sum(x.reshape(-1)[0].astype(jnp.float32) for x in xs)],
                         slots, [], edge_in=0, edge_out=None)
         args = []
     else:
-        h = q_in.get()
-        if a.transport == "nccl":
-            e = edge.NcclEdge(edge.Layout.of(slots, 1), uid=h["nccl"], rank=0)
-            e.bind(0)
-        else:
-            e = edge.SharedEdge(lay, name=h["name"], create=False, device=a.transport == "ipc",
-                                ipc=h["ipc"])
-            e.bind(0)
+        e = edge.sending(slots, 0, q_in.get())
         fn = edge.edged(lambda *xs: list(xs), [], slots, edge_in=None, edge_out=0)
         args = [jnp.ones(shape, a.dtype) * (i + 1) for i in range(a.departures)]
     run = jax.jit(fn)
@@ -77,8 +64,7 @@ def side(rank: int, a, q_out, q_in, res) -> None:
     else:
         res.put({"rank": 0, "s": dt})
     time.sleep(0.5)
-    if hasattr(e, "close"):
-        e.close(unlink=rank == 1)
+    e.close(unlink=rank == 1)
 
 
 def main() -> int:

@@ -29,6 +29,7 @@ import ctypes
 import dataclasses
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from multiprocessing import shared_memory
 from pathlib import Path
@@ -115,6 +116,9 @@ class SharedEdge:
     def taken(self) -> int:
         return int(self.words[16])
 
+    def ready(self, timeout: float) -> None:
+        """Bound at once: nothing to wait for (an `NcclEdge` may have to)."""
+
     def bind(self, edge: int) -> None:
         lay = self.layout
         ffi.register()
@@ -152,6 +156,7 @@ class NcclEdge:
         self.words = np.ctypeslib.as_array((ctypes.c_int32 * (HEADER // 4)).from_address(
             self.words_addr))
         self._thread: threading.Thread | None = None
+        self._edge: int | None = None
         self._error: BaseException | None = None
 
     @property
@@ -162,6 +167,7 @@ class NcclEdge:
         """Joins the communicator (blocks until the other stage joins too)."""
         load_nccl().nccl_bind_edge(edge, self.words_addr, self.words_addr + 64, self.uid,
                                    self.rank, list(self.layout.sizes))
+        self._edge = edge
 
     def bind_in_background(self, edge: int) -> None:
         def go():
@@ -173,8 +179,18 @@ class NcclEdge:
         self._thread = threading.Thread(target=go, name=f"nccl-edge{edge}", daemon=True)
         self._thread.start()
 
-    def wait(self, timeout: float) -> None:
+    def close(self, unlink: bool = False) -> None:
+        """Unbinds the edge and gives the words back (the communicator lives as long as the
+        process)."""
+        if self._edge is not None:
+            ffi._extension().unbind_edge(self._edge)
+        del self.words
+        ffi._extension().host_free(self.words_addr, mapped=True)
+
+    def ready(self, timeout: float) -> None:
         """After `bind_in_background`: raises if the other stage did not join in `timeout` s."""
+        if self._thread is None:
+            return
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise RuntimeError(f"the stage before did not join the NCCL edge within {timeout:g} s")
@@ -197,6 +213,53 @@ def load_nccl():
             path = "libnccl.so.2"
     ext.nccl_load(path)
     return ext
+
+
+def receiving(slots: Sequence[Slot], edge: int, kind: str, nslots: int):
+    """The downstream side of edge `edge` for transport `kind` (shm, ipc, nccl): its memory made
+    and bound, and the fields its Hello carries so the upstream can open it (`sending`). An NCCL
+    edge binds in the background: `ready` before running items."""
+    if kind == "nccl":
+        e = NcclEdge(Layout.of(slots, 1), rank=1)
+        e.bind_in_background(edge)
+        return e, {"transport": kind, "nccl": e.uid.hex()}
+    if kind not in ("shm", "ipc"):
+        raise ValueError(f"no edge memory for transport `{kind}`")
+    e = SharedEdge(Layout.of(slots, nslots), device=kind == "ipc")
+    e.bind(edge)
+    return e, {"transport": kind, "edge": e.name, "slots": nslots,
+               **({"ipc": e.ipc.hex()} if kind == "ipc" else {})}
+
+
+def sending(slots: Sequence[Slot], edge: int, fields: dict):
+    """The upstream side of edge `edge`, opened from the downstream's Hello `fields` and bound."""
+    kind = fields.get("transport")
+    ok = {"nccl": isinstance(fields.get("nccl"), str),
+          "shm": isinstance(fields.get("edge"), str) and type(fields.get("slots")) is int}
+    ok["ipc"] = ok["shm"] and isinstance(fields.get("ipc"), str)
+    if not ok.get(kind):
+        raise ValueError(f"the next stage's {kind} edge is malformed: {str(fields)[:200]}")
+    if kind == "nccl":
+        e = NcclEdge(Layout.of(slots, 1), uid=bytes.fromhex(fields["nccl"]), rank=0)
+    else:
+        e = SharedEdge(Layout.of(slots, fields["slots"]), name=fields["edge"], create=False,
+                       device=kind == "ipc", ipc=bytes.fromhex(fields["ipc"]) if kind == "ipc"
+                       else None)
+    e.bind(edge)
+    return e
+
+
+def left(e, k: int, timeout: float, stop: Callable[[], bool] = lambda: False) -> bool:
+    """Whether item `k` has left through edge `e` (its `arrived` word reached k+1) within
+    `timeout` s: loads from host memory, backing off to 2 ms, never a driver call. False at the
+    deadline, or as soon as `stop()` says to give up."""
+    deadline, pause = time.time() + timeout, 0.0001
+    while e.arrived < k + 1:
+        if stop() or time.time() > deadline:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 0.002)
+    return True
 
 
 def set_hold_timeout(seconds: float) -> None:

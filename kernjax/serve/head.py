@@ -41,7 +41,8 @@ from kernjax.runner import Runner
 from kernjax.serve.pack import Waiting, admissible, full, pack
 from kernjax.serve.protocol import (MAX_FRAME, PING_MIN, Closed, Conn, ProtocolError, connect,
                                     handshakes, parse_address)
-from kernjax.serve.transport import HostTransport, departures_edge
+from kernjax import edge
+from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
 
@@ -192,7 +193,9 @@ class Head:
                        limit=self.max_frame)
         conn.send("HELLO", {"stage": 0, "stages": self.stages, "cut": self.art.cut_id})
         self.next = HostTransport(conn, self.art.departures)
-        self.edge = departures_edge(self.art, hellos[1][1])
+        fields = hellos[1][1]
+        self.edge = None if fields.get("transport", "host") == "host" else \
+            edge.sending(self.art.departures, 0, fields)
         self._done: deque = deque()
         return pages
 
@@ -337,14 +340,11 @@ class Head:
                 if self.failed:
                     return
                 k, rows, t0 = self._done.popleft()
-            deadline, pause = time.time() + self.edge_timeout, 0.0001
-            while self.edge.arrived < k + 1 and not self.failed:
-                if time.time() > deadline:
-                    self.fail(f"stage 1 stopped taking items: item {k} waited {self.edge_timeout:g} "
-                              "s for its slot (--stage_timeout)")
-                    return
-                time.sleep(pause)
-                pause = min(2 * pause, 0.002)
+            if not edge.left(self.edge, k, self.edge_timeout, stop=lambda: bool(self.failed)):
+                if not self.failed:
+                    self.fail(f"stage 1 stopped taking items: item {k} waited "
+                              f"{self.edge_timeout:g} s for its slot (--stage_timeout)")
+                return
             log_item(0, k, rows, t0, time.time())
 
     def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:

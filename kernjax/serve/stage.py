@@ -26,7 +26,8 @@ import numpy as np
 
 from kernjax.runner import Runner
 from kernjax.serve.protocol import MAX_FRAME, Closed, ProtocolError, connect, handshakes
-from kernjax.serve.transport import HostTransport, arrivals_edge, departures_edge
+from kernjax import edge
+from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
 
@@ -76,7 +77,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         return None
 
     try:
-        in_edge, via = arrivals_edge(art, transport, edge_slots)
+        in_edge, via = (None, {"transport": "host"}) if transport == "host" else \
+            edge.receiving(art.arrivals, art.index - 1, transport, edge_slots)
         out_edge = None
         server = socket.create_server((host, 0))
         hconn = connect(head, "the head", startup_timeout, limit=max_frame, say=say)
@@ -105,7 +107,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                            limit=max_frame)
             conn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id})
             nxt = HostTransport(conn, art.departures)
-            out_edge = departures_edge(art, table["next"])
+            if table["next"].get("transport", "host") != "host":
+                out_edge = edge.sending(art.departures, art.index, table["next"])
         if not handshakes(server, take, done=lambda: bool(got), deadline=time.time() + 60,
                           log=say, limit=max_frame):
             die(f"stage {s - 1} did not connect within 60 s")
@@ -114,9 +117,9 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         prev = HostTransport(got[0], art.arrivals)
     except (OSError, RuntimeError, ValueError, ProtocolError, Closed) as e:
         die(f"cannot join the pipeline: {e}")
-    if hasattr(in_edge, "wait"):  # NCCL: the communicator with the stage before
+    if in_edge:  # NCCL: the communicator with the stage before forms in the background
         try:
-            in_edge.wait(60)
+            in_edge.ready(60)
         except RuntimeError as e:
             die(str(e))
     say(memory_line(runner.memory()))
@@ -188,14 +191,9 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
     def watch() -> None:
         while True:
             k, rows, t0 = done.get()
-            deadline = time.time() + timeout
-            pause = 0.0001
-            while out_edge.arrived < k + 1:
-                if time.time() > deadline:
-                    die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for "
-                        "its slot")
-                time.sleep(pause)
-                pause = min(2 * pause, 0.002)
+            if not edge.left(out_edge, k, timeout):
+                die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for its "
+                    "slot")
             log_item(s, k, rows, t0, time.time())
 
     if not last:

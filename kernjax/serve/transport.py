@@ -58,46 +58,5 @@ class HostTransport:
         return list(arrays.values()), header
 
 
-TRANSPORTS = ("host", "shm", "ipc", "nccl")
 
-
-def arrivals_edge(art, kind: str, nslots: int):
-    """A stage past 0: `(edge or None, fields for its Hello)`; for `shm` it creates and binds the
-    edge its arrivals come in on (edge `index - 1`)."""
-    if kind == "host":
-        return None, {"transport": "host"}
-    from kernjax import edge
-
-    if kind == "nccl":  # the communicator forms once the stage before joins (`wait`)
-        e = edge.NcclEdge(edge.Layout.of(art.arrivals, 1), rank=1)
-        e.bind_in_background(art.index - 1)
-        return e, {"transport": kind, "nccl": e.uid.hex()}
-    e = edge.SharedEdge(edge.Layout.of(art.arrivals, nslots), device=kind == "ipc")
-    e.bind(art.index - 1)
-    return e, {"transport": kind, "edge": e.name, "slots": nslots,
-               **({"ipc": e.ipc.hex()} if kind == "ipc" else {})}
-
-
-def departures_edge(art, nxt: dict):
-    """A stage before the last, with the next stage's Hello fields (from the Table): for `shm`
-    the next stage's edge, opened and bound as edge `index`; None for `host`."""
-    if nxt.get("transport", "host") == "host":
-        return None
-    from kernjax import edge
-
-    if nxt.get("transport") == "nccl":
-        if not isinstance(nxt.get("nccl"), str):
-            raise ProtocolError(f"the next stage's nccl edge is malformed: {str(nxt)[:200]}")
-        e = edge.NcclEdge(edge.Layout.of(art.departures, 1), uid=bytes.fromhex(nxt["nccl"]),
-                          rank=0)
-        e.bind(art.index)
-        return e
-    ipc = nxt.get("transport") == "ipc"
-    if not isinstance(nxt.get("edge"), str) or type(nxt.get("slots")) is not int or (
-            ipc and not isinstance(nxt.get("ipc"), str)):
-        raise ProtocolError(f"the next stage's {nxt.get('transport')} edge is malformed: "
-                            f"{str(nxt)[:200]}")
-    e = edge.SharedEdge(edge.Layout.of(art.departures, nxt["slots"]), name=nxt["edge"],
-                        create=False, device=ipc, ipc=bytes.fromhex(nxt["ipc"]) if ipc else None)
-    e.bind(art.index)
-    return e
+TRANSPORTS = ("host", "shm", "ipc", "nccl")  # the memory of each: kernjax/edge.py (`receiving`)
