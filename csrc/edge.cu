@@ -73,35 +73,43 @@ ffi::Error Check(const char* op, cudaError_t err) {
   return Fail(op, std::string(cudaGetErrorName(err)) + ": " + cudaGetErrorString(err));
 }
 
+// The device's view of an edge's arrived (0) or taken (1) word, or of its slot 0 (2), looked up
+// once per binding: host memory (shared memory, registered and mapped) through its device pointer,
+// device memory (CUDA IPC slots) as it is; 0 where the device cannot reach it.
+uint64_t DeviceView(const kj::Edge& e, int which) {
+  if (!e.dev[which]) {
+    uint64_t host = which == 2 ? e.base : kj::Word(e, which);
+    cudaPointerAttributes attr;
+    uint64_t dev = 0;
+    if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(host)) == cudaSuccess)
+      dev = attr.type == cudaMemoryTypeDevice ? host
+            : attr.type == cudaMemoryTypeUnregistered ? 0
+            : reinterpret_cast<uint64_t>(attr.devicePointer);
+    cudaGetLastError();  // an unregistered pointer's query leaves an error behind: clear it
+    e.dev[which] = dev;
+  }
+  return e.dev[which];
+}
+
+ffi::Error DeviceWord(const char* op, const kj::Edge& e, int64_t word, int32_t** dev) {
+  *dev = reinterpret_cast<int32_t*>(DeviceView(e, static_cast<int>(word)));
+  if (*dev == nullptr)
+    return Fail(op, "the edge's words must be pinned host memory mapped into the device");
+  return ffi::Error::Success();
+}
+
 ffi::Error Copy(const char* op, cudaStream_t stream, const kj::Edge& e, int64_t edge,
                 int64_t index, uint64_t bytes, void* local, const int32_t* seq, bool to_slot,
                 const int32_t* tok, int32_t* out) {
   uint64_t addr = 0;
   std::string err = kj::Place(e, index, 0, bytes, &addr);  // slot 0: the kernel adds the item's
   if (!err.empty()) return Fail(op, "edge " + std::to_string(edge) + ": " + err);
-  // Host slots (shared memory, registered and mapped) are reached through the device's view of
-  // them; device slots (CUDA IPC) are device addresses already.
-  cudaPointerAttributes attr;
-  if (cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(e.base)) == cudaSuccess &&
-      attr.type == cudaMemoryTypeHost && attr.devicePointer != nullptr)
-    addr = reinterpret_cast<uint64_t>(attr.devicePointer) + (addr - e.base);
-  cudaGetLastError();  // an unregistered pointer's query leaves an error behind: clear it
-  char* slot = reinterpret_cast<char*>(addr);
+  char* slot = reinterpret_cast<char*>(DeviceView(e, 2) + (addr - e.base));
   int blocks = static_cast<int>(std::min<uint64_t>(264, (bytes / 16 + 255) / 256 + 1));
   CopyKernel<<<blocks, 256, 0, stream>>>(to_slot ? slot : static_cast<char*>(local),
                                          to_slot ? static_cast<const char*>(local) : slot, bytes,
                                          seq, e.stride, e.nslots, to_slot ? 1 : 2, tok, out);
   return Check(op, cudaGetLastError());
-}
-
-// The device's view of a host word: it must be pinned and mapped.
-ffi::Error DeviceWord(const char* op, uint64_t host, int32_t** dev) {
-  cudaPointerAttributes attr;
-  cudaError_t err = cudaPointerGetAttributes(&attr, reinterpret_cast<void*>(host));
-  if (err != cudaSuccess || attr.devicePointer == nullptr)
-    return Fail(op, "the edge's words must be pinned host memory mapped into the device");
-  *dev = static_cast<int32_t*>(attr.devicePointer);
-  return ffi::Error::Success();
 }
 
 kj::Edge* Find(int64_t edge, std::string* err) { return kj::FindEdge(edge, err); }
@@ -131,7 +139,7 @@ ffi::Error HoldImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tok, ffi::Buffer<
   if (!e) return Fail("kj_hold", err);
   if (e->comm) return PassOn("kj_hold", stream, tok.typed_data(), out->typed_data());
   int32_t* w = nullptr;
-  if (auto r = DeviceWord("kj_hold", kj::Word(*e, word), &w); r.failure()) return r;
+  if (auto r = DeviceWord("kj_hold", *e, word, &w); r.failure()) return r;
   // the kernel reads the item on the device: want = item - less
   HoldKernel<<<1, 1, 0, stream>>>(target.typed_data(), -kj::Want(*e, word, 0), w,
                                   tok.typed_data(), out->typed_data(),
@@ -171,7 +179,7 @@ ffi::Error PostImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tok, ffi::Buffer<
   kj::Edge* e = Find(edge, &err);
   if (!e) return Fail("kj_post", err);
   int32_t* w = nullptr;
-  if (auto r = DeviceWord("kj_post", kj::Word(*e, word), &w); r.failure()) return r;
+  if (auto r = DeviceWord("kj_post", *e, word, &w); r.failure()) return r;
   PostKernel<<<1, 1, 0, stream>>>(value.typed_data(), w, tok.typed_data(), out->typed_data());
   return Check("kj_post", cudaGetLastError());
 }

@@ -32,6 +32,8 @@ struct Edge {
   std::vector<int64_t> offsets, sizes;  // each departure's place in a slot
   void* comm = nullptr;  // NCCL: the departures go by ncclSend/ncclRecv to `peer`, no slots;
   int peer = -1;         // the words are this process's own (post marks an item done)
+  // CUDA: the device's view of arrived, taken and slot 0, looked up once (0: not yet)
+  mutable uint64_t dev[3] = {0, 0, 0};
 };
 
 constexpr int kMaxEdges = 64;
