@@ -29,11 +29,12 @@ from kernjax.trace import Slot, as_function
 
 FORMAT = 1
 PROGRAM = "program.jaxexport"
-# Custom calls jax.export refuses by default because their encoding may change between releases
-# (Pallas' Triton and Mosaic GPU kernels). An artifact is read only by the jax version that wrote
-# it, so they are safe.
+# Custom calls jax.export refuses by default because their encoding may change between releases:
+# Pallas' Triton and Mosaic GPU kernels, and the extension's own kernels that a call lowers to on
+# some platform (kj_kda on CUDA). An artifact is read only by the jax version and the extension
+# that wrote it, so they are safe.
 UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
-            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2")]
+            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "kj_kda", "kj_mark")]
 # A stage of a cut also gets its program with the edge ops at its edges (kernjax/edge.py), for
 # the transports that move activations on the device; its inputs end with the item's number.
 EDGED = "edged.jaxexport"

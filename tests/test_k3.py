@@ -293,3 +293,15 @@ def test_a_stage_derives_only_what_its_calls_read(tmp_path):
     assert (calls0, calls1) == (2, 4)
     assert read0 and all(".layers.1." in n for n in read0)
     assert read1 and not any(".layers.1." in n for n in read1)
+
+
+def test_a_stage_exports_for_cuda_with_the_kda_kernel():
+    """On a GPU, k3's KDA calls lower to the extension's kj_kda (platform_dependent), a custom
+    call jax.export refuses unless told; the H200 chain gate failed on it once. Exporting for
+    CUDA needs no GPU."""
+    program = FAM.program(CFG, dtype=CFG.dtype, rows=64, context=2560)
+    at = next(i for i, c in enumerate(program.calls) if c.startswith("l2."))
+    for s in cut(program, [at]):
+        cuda = artifacts.export_stage(s, "cuda").mlir_module()
+        assert "kj_kda" in cuda
+        assert "kj_kda" not in artifacts.export_stage(s, "cpu").mlir_module()
