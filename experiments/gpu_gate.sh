@@ -88,6 +88,7 @@ for step in "$@"; do
       python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
       for at in 18 c226 12,24; do
         log "chain qwen3-4b --at $at --chunk $c"
+        rm -rf "cuts/$at-$c"  # a cut that failed before leaves its directory
         python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
@@ -102,6 +103,7 @@ for step in "$@"; do
       python experiments/prompts.py --chunk "$c" --vocab 32768 > "$OUT/logs/k3prompts$c.txt"
       for at in 4 2,6; do
         log "chain k3-mini-gpu --at $at --chunk $c"
+        rm -rf "cuts/k3-$at-$c"
         python -m kernjax.cut --model k3-mini-gpu --at "$at" --chunk "$c" --seqs 1 \
           --out "cuts/k3-$at-$c" > "$OUT/logs/k3cut-$at-$c.txt" 2>&1 \
           || { tail -5 "$OUT/logs/k3cut-$at-$c.txt" | say; continue; }

@@ -154,13 +154,24 @@ class Handle:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
+_CACHE_EVENTS = []  # JAX's persistent compilation cache's hit and miss events, as they come
+jax.monitoring.register_event_listener(
+    lambda event, **kw: _CACHE_EVENTS.append(event.rsplit("/", 1)[-1])
+    if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses") else None)
+
+
 def _compile(fn, specs, donate=()):
-    """`(compiled, {lower_s, xla_s})`: tracing and lowering to StableHLO, then XLA's compile."""
+    """`(compiled, {lower_s, xla_s, cache})`: tracing and lowering to StableHLO, then XLA's
+    compile; `cache`: whether JAX's persistent compilation cache had the program (hit, miss, or
+    `-` when it was not asked: a program that compiles in under a second is not kept)."""
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
     t1 = time.perf_counter()
+    n = len(_CACHE_EVENTS)
     compiled = lowered.compile()
-    return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1}
+    seen = _CACHE_EVENTS[n:]
+    cache = "hit" if "cache_hits" in seen else "miss" if "cache_misses" in seen else "-"
+    return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1, "cache": cache}
 
 
 def _donate(slots) -> tuple[int, ...]:
@@ -631,13 +642,16 @@ class Results:
 
     def compile_table(self, key: str = "compile") -> str:
         lines = ["| system | prompt | rows | context | trace s | export s | lower s | XLA compile s "
-                 "| total s | first prefill s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| persistent cache | total s | first prefill s |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
         for c in self.data.get(key, []):
             col = {k: " + ".join(f"{p.get(k, 0.0):.1f}" for p in c["parts"])
                    for k in ("export_s", "lower_s", "xla_s")}
+            cache = " + ".join(p.get("cache", "-") for p in c["parts"])
             lines.append(f"| {c['system']} | {c['prompt']} | {c['rows']} | {c['context']} | "
                          f"{c['trace_s']:.1f} | {col['export_s']} | {col['lower_s']} | "
-                         f"{col['xla_s']} | {c['total_s']:.1f} | {c['first_prefill_s']:.2f} |")
+                         f"{col['xla_s']} | {cache} | {c['total_s']:.1f} | "
+                         f"{c['first_prefill_s']:.2f} |")
         return "\n".join(lines)
 
     def readme(self) -> str:
@@ -701,8 +715,9 @@ class Results:
         if d.get("compile_second"):
             lines += ["Second start (`--second_start`): the same kernjax programs built again by a "
                       "new process (`--compile_only`) with this run's caches, as a restarted stage "
-                      "builds them: tracing and export again, XLA's compile read from JAX's "
-                      "persistent compilation cache (nothing run, so no first prefill).", "",
+                      "builds them: tracing and export again, then XLA's compile, which JAX's "
+                      "persistent compilation cache answers if it holds the program (`persistent "
+                      "cache`: hit or miss; nothing run, so no first prefill).", "",
                       self.compile_table("compile_second"), ""]
         lines += ["## How it was measured", "",
                   "- One prompt of S random tokens (seed 0, the same for every system), one "

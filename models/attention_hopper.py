@@ -53,6 +53,32 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 PAGE = 16
 
 
+def _unnumbered_kernel_modules() -> None:
+    """Mosaic GPU (jax 0.11.2) names each kernel module it lowers `<kernel>_<n>`, n counting the
+    modules this process has lowered (`mosaic_gpu.dump_basename`, for its dump files), and the
+    name goes into the serialized kernel and so into JAX's persistent compilation cache key: the
+    same program lowered after a different number of kernels missed the cache (an 8 s compile on
+    the H200 where a load takes well under one). The name is dropped before the module is
+    serialized; the compiler names it again if it dumps."""
+    from jax.experimental.mosaic.gpu import core
+
+    serde = getattr(core, "_run_serde_pass", None)
+    if serde is None or getattr(serde, "_kernjax", False):
+        return
+
+    def run_serde_pass(module, *args, **kwargs):
+        attrs = module.operation.attributes
+        if "mosaic_gpu.dump_basename" in attrs:
+            del attrs["mosaic_gpu.dump_basename"]
+        return serde(module, *args, **kwargs)
+
+    run_serde_pass._kernjax = True
+    core._run_serde_pass = run_serde_pass
+
+
+_unnumbered_kernel_modules()
+
+
 def supports(q_dtype, head_dim: int) -> bool:
     """Whether this kernel takes the shape; the Triton kernel takes the rest."""
     return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
@@ -331,8 +357,11 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         plgpu.Barrier(num_arrivals=2),
     ) + ((plgpu.SMEM((2, block_q, block_kv), q.dtype, transforms=swizzled),) if interpret else ())
 
+    def chunk_attention_kernel(*refs):
+        kernel(*refs[:6], refs[6:])
+
     return plgpu.kernel(
-        lambda *refs: kernel(*refs[:6], refs[6:]),
+        chunk_attention_kernel,
         scratch_types=scratch,
         out_type=jax.ShapeDtypeStruct((rows, heads, d), q.dtype),
         grid=(heads, slots),
