@@ -73,8 +73,9 @@ def kernels(trace_dir: str) -> list[dict]:
 def call_of_ops(hlo_texts, names=()) -> tuple[dict, list]:
     """`(ops, order)`: HLO instruction name -> (its kernjax call or `-`, whether it sits in the
     entry computation); and per module, its entry's instructions in schedule order as
-    `(name, call, launches)` (`launches`: a custom call, such as a cuBLAS GEMM or a Mosaic or
-    Triton kernel, whose kernel is not named after it).
+    `(name, call, launch)` (`launch`: `call` for a custom call, such as a cuBLAS GEMM or a
+    Mosaic or Triton kernel, whose kernel is not named after it; `fusion` for XLA's own kernels;
+    `""` for what launches nothing).
 
     On a GPU a call's body is inlined and its ops carry `jit(<call>)` in their op_name; on the
     CPU a call is an HLO `call` of a computation named after it, and the ops inside belong to it.
@@ -106,7 +107,8 @@ def call_of_ops(hlo_texts, names=()) -> tuple[dict, list]:
                     base if base in known and not entry else "-")
             out[instr] = (call, entry)
             if entry:
-                order[-1].append((instr, call, " custom-call(" in rest))
+                launch = "call" if " custom-call(" in rest else "fusion" if " fusion(" in rest else ""
+                order[-1].append((instr, call, launch))
     return out, order
 
 
@@ -116,11 +118,16 @@ def sanitized(name: str) -> str:
 
 
 def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
-    """Each kernel's call. A kernel with an `hlo_op` (or named after its instruction, as XLA's
-    fusions are) is that instruction's. One that is neither (a cuBLAS GEMM, a Mosaic or Triton
-    kernel: the trace may carry no `hlo_op` when XLA runs its thunks as CUDA graphs) is the next
-    custom call after the last named kernel's instruction, in the module's schedule; a memset is
-    its neighbour's."""
+    """Each kernel's call, walking the module's schedule as the kernels come. A kernel with an
+    `hlo_op`, or named after its instruction (XLA's fusions are), places the walk there. Two
+    cases do not name their instruction:
+    - a cuBLAS GEMM or a Mosaic or Triton kernel (the trace may carry no `hlo_op` when XLA runs
+      its thunks as CUDA graphs) is the next custom call after the walk's place;
+    - XLA:GPU compiles identical fusions once and names the kernel after the first (every
+      layer's residual add runs as layer 0's `wrapped_add`): a named kernel whose instruction
+      lies behind the walk is the next fusion after it, unless none is left (the program's next
+      run begins).
+    A memset is its neighbour's."""
     where = {}
     for m, seq in enumerate(order):
         for i, (name, _, _) in enumerate(seq):
@@ -135,22 +142,26 @@ def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
             return ops[key][0], None
         return None
 
+    def after(at, launch):
+        m, i = at
+        seq = order[m]
+        return next(((m, j) for j in range(i + 1, len(seq)) if seq[j][2] == launch), None)
+
     out, at, last = [], None, "?"
     for k in ks:
         hit = next((h for h in map(lookup, (k["hlo_op"], k["name"])) if h), None)
         if hit:
             call, pos = hit
+            if pos and at and pos[0] == at[0] and pos[1] <= at[1]:
+                pos = after(at, "fusion") or pos
+                call = order[pos[0]][pos[1]][1]
             at = pos or at
         elif kind_of(k["name"]) == "memset" or at is None:
             call = last
         else:
-            m, i = at
-            seq = order[m]
-            j = next((j for j in range(i + 1, len(seq)) if seq[j][2]), None)
-            if j is None:
-                call = "?"
-            else:
-                call, at = seq[j][1], (m, j)
+            nxt = after(at, "call")
+            call = "?" if nxt is None else order[nxt[0]][nxt[1]][1]
+            at = nxt or at
         out.append(call)
         last = call
     return out

@@ -138,3 +138,30 @@ def test_transfer_benchmark_moves_items_between_two_processes(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["check"] and got["bytes_per_item"] == 2 * 16 * 16 * 2 and got["us_per_item"] > 0
+
+
+def _instr(name, what, call):
+    op = {"fusion": "fusion(%a), kind=kLoop, calls=%fused_computation.1",
+          "gemm": 'custom-call(%a), custom_call_target="__cublas$gemm"'}[what]
+    return (f"  %{name} = bf16[8]{{0}} {op}, metadata={{op_name=\"jit(call)/call_exported/"
+            f"jit(jaxpr_as_fun)/jit({call})/x\"}}")
+
+
+def test_profile_follows_the_schedule_through_kernels_xla_compiled_once_for_every_layer():
+    """XLA:GPU compiles identical fusions once, named after the first: layer 1's norm and
+    residual add run as layer 0's kernels. Each is the next fusion in the schedule, not a jump
+    back to layer 0 that would hand the GEMMs after it to the wrong calls."""
+    body = [("fusion.1", "fusion", "l0.input_norm"), ("cc.2", "gemm", "l0.qkv_proj"),
+            ("wrapped_add", "fusion", "l0.post_attn_norm"), ("cc.3", "gemm", "l0.gate_up"),
+            ("cc.4", "gemm", "l0.down_proj"), ("wrapped_add.1", "fusion", "l0.next_input_norm"),
+            ("fusion.5", "fusion", "l0.next_input_norm"), ("cc.6", "gemm", "l1.qkv_proj"),
+            ("wrapped_add.2", "fusion", "l1.post_attn_norm"), ("cc.7", "gemm", "l1.gate_up"),
+            ("cc.8", "gemm", "l1.down_proj")]
+    hlo = "\n".join([HLO.split("ENTRY")[0] + "ENTRY %main (a: bf16[8]) -> bf16[8] {",
+                     "  %a = bf16[8]{0} parameter(0)", *(_instr(*b) for b in body), "}"])
+    names = sorted({c for _, _, c in body})
+    ops, order = gpuprofile.call_of_ops([hlo], names)
+    run = ["fusion_1", "nvjet_a", "wrapped_add", "nvjet_a", "nvjet_b", "wrapped_add",
+           "fusion_1", "nvjet_a", "wrapped_add", "nvjet_a", "nvjet_b"]
+    got = gpuprofile.attribute([{"name": n, "hlo_op": None} for n in run * 2], ops, order)
+    assert got == [c for _, _, c in body] * 2
