@@ -16,20 +16,20 @@
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
-#              rows of $PROFILE (8192) profiled and their kernjax programs compiled again by a
-#              second process ($SECOND_START, 8192); the profiles in logs/profiles/
+#              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
+#              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
-# A device call may run 10 minutes; a session has 30 and each call's build takes ~50 s. Measured
-# on one H200 (2026-11-30): the GPU test files ~430 s together, the 3 chains ~170 s at chunk 512
-# and ~140 s at chunk 64 (warm caches; the cut also exports each stage's edged program now), the
-# prefill benchmark wants ~450 s. The final gates in three calls (~1,500 s with the starts):
+# A device call may run 10 minutes; a session has 30 and each call's build takes ~40 s. Measured
+# on one H200 (2026-11-30, `30138d2`): tests A + the 3 chains at 512, 412 s; tests B + the chains
+# at 64, ~375 s; the k3 chains at 64 and 512, 160 s; the prefill step with --max_seconds 400 and
+# profiles, 506 s (it did not reach 32k in one chunk). The gates in two calls, then the table:
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
 #   B="tests/test_attention_pallas.py tests/test_mxfp4.py tests/test_kda.py tests/test_edge.py"
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
-#   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain        (then CHUNKS=512 k3 if time)
-#   PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill
+#   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
+#   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
 # transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each).
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
@@ -159,8 +159,8 @@ for step in "$@"; do
     done ;;
   prefill)
     log "prefill benchmark"
-    python experiments/prefill.py --out "$OUT/prefill" --profile "${PROFILE:-8192}" \
-      --second_start "${SECOND_START:-8192}" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+    python experiments/prefill.py --out "$OUT/prefill" --profile "${PROFILE-8192}" \
+      --second_start "${SECOND_START-8192}" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
     mkdir -p "$OUT/logs/profiles" && mv "$OUT"/prefill/profile-*.json "$OUT/logs/profiles/" 2>/dev/null
     tail -40 "$OUT/logs/prefill.log" | say ;;
   *) echo "unknown step $step" | say ;;
