@@ -37,6 +37,8 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from kernjax.edge import TRANSPORTS
+
 CONFIGS = ("whole", "2 stages")
 LOG_BYTES = 200_000
 HEAD_LINES = 50
@@ -225,9 +227,11 @@ def main():
     ap.add_argument("--startup_timeout", type=float, default=300.0)
     ap.add_argument("--gpus", default="", help="GPU ids, e.g. 0,1: stage s (and whole) runs on "
                     "the s-th (CUDA_VISIBLE_DEVICES); empty: every process sees every device")
-    ap.add_argument("--transport", default="host", choices=["host", "shm"],
-                    help="how the 2-stage pipeline moves activations (serve --transport)")
-    ap.add_argument("--edge_slots", type=int, default=2, help="--transport shm: slots per edge")
+    ap.add_argument("--transport", default="host", choices=TRANSPORTS,
+                    help="how the 2-stage pipeline moves activations (serve --transport; ipc "
+                    "and nccl on GPUs only)")
+    ap.add_argument("--edge_slots", type=int, default=2,
+                    help="slots per edge (every transport but host)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers

@@ -68,8 +68,10 @@ def side(rank: int, a, q_out, q_in, res) -> None:
 
 
 def main() -> int:
+    from kernjax.edge import TRANSPORTS  # jax comes with it: each rank's process sets its GPU first
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--transport", default="shm", choices=["shm", "ipc", "nccl"])
+    ap.add_argument("--transport", default="shm", choices=[t for t in TRANSPORTS if t != "host"])
     ap.add_argument("--gpus", default="", help="two GPU ids, sender first (empty: as jax sees)")
     ap.add_argument("--items", type=int, default=200)
     ap.add_argument("--shape", default="512,2560", help="one departure's shape")

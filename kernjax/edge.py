@@ -38,6 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# How activations go from stage to stage (`kernjax.serve --transport`): over the stage links, or
+# through an edge's memory of each kind above.
+TRANSPORTS = ("host", "shm", "ipc", "nccl")
+
 from kernjax import ffi
 from kernjax.trace import Slot
 

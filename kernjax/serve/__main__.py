@@ -28,6 +28,7 @@ from pathlib import Path
 from absl import flags, logging
 
 from kernjax import cli
+from kernjax.edge import TRANSPORTS
 
 FLAGS = flags.FLAGS
 
@@ -185,14 +186,14 @@ def serve_main():
                        "gives up on it (the head pings every quarter of it; at least 1)")
     flags.DEFINE_float("startup_timeout", 600.0, "seconds to wait for the stages to join (head), "
                        "or for the head to be up (a stage)")
-    flags.DEFINE_enum("transport", "host", ["host", "shm", "ipc", "nccl"], "how activations go "
+    flags.DEFINE_enum("transport", "host", list(TRANSPORTS), "how activations go "
                       "from stage to stage: `host` over the stage links (any hosts), `shm` by the "
                       "stages' programs through shared memory (stages of one host; "
                       "kernjax/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC), "
                       "`nccl` by NCCL send/receive in the programs (GPUs of any hosts); every "
                       "stage of a pipeline gives the same")
-    flags.DEFINE_integer("edge_slots", 2, "--transport shm: items an edge holds, so a stage can "
-                         "run that many items ahead of the next")
+    flags.DEFINE_integer("edge_slots", 2, "items an edge holds (every transport but host), so "
+                         "a stage can run that many items ahead of the next")
     flags.DEFINE_string("served_model_name", None, "model name in the API (default: the model's)")
     flags.DEFINE_integer("chunk", 512, "rows per item, for --model/--weights")
     flags.DEFINE_integer("seqs", 4, "sequences per item, for --model/--weights")
