@@ -88,7 +88,7 @@ for step in "$@"; do
       python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
       for at in 18 c226 12,24; do
         log "chain qwen3-4b --at $at --chunk $c"
-        rm -rf "cuts/$at-$c"  # a cut that failed before leaves its directory
+        rm -rf "cuts/$at-$c"
         python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say

@@ -242,7 +242,6 @@ whole/ into DIR, replacing a previous cut there."""
     flags.mark_flags_as_required(["at", "out"])
 
     def main():
-        from kernjax import stage as artifacts
         from kernjax.cut import counted, cut, describe, whole
         from kernjax.item import item_shape
         fam, cfg, ref, dtype = source()
@@ -270,18 +269,35 @@ whole/ into DIR, replacing a previous cut there."""
         print(describe(program, stages))
         meta = dict(model=model_meta(fam, cfg), checkpoint=ref, dtype=dtype,
                     item=item_shape(program, fam.PAGE))
-        if old:
-            _say(f"removing the previous cut from {out}: {', '.join(old)}")
-            for name in old:
-                shutil.rmtree(out / name)
-        for st in (*stages, whole(program)):
-            name = f"stage{st.index}" if st.stages > 1 else "whole"
-            _say(f"writing {out / name} ({counted(len(st.calls), 'call')})")
-            artifacts.write(out / name, st, **meta)
+        write_cut(out, (*stages, whole(program)), old, meta)
         print(f"wrote {counted(len(stages), 'stage')} and whole/ to {out} in "
               f"{time.time() - t0:.1f} s")
 
     return main
+
+
+def write_cut(out: Path, stages, old: list[str], meta: dict) -> None:
+    """Replaces the previous cut's directories `old` in `out` with `stages`' artifacts. A write
+    that fails (or Ctrl-C) takes what this cut wrote with it, so `out` is left as a new cut can
+    be written into, not half a cut that the next one would refuse."""
+    from kernjax import stage as artifacts
+    from kernjax.cut import counted
+    if old:
+        _say(f"removing the previous cut from {out}: {', '.join(old)}")
+        for name in old:
+            shutil.rmtree(out / name)
+    written = []
+    try:
+        for st in stages:
+            name = f"stage{st.index}" if st.stages > 1 else "whole"
+            _say(f"writing {out / name} ({counted(len(st.calls), 'call')})")
+            written.append(name)
+            artifacts.write(out / name, st, **meta)
+    except BaseException:
+        for name in written:
+            shutil.rmtree(out / name, ignore_errors=True)
+        _say(f"removed what this cut had written to {out}")
+        raise
 
 
 def previous_cut(out: Path) -> list[str]:

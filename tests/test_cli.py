@@ -188,3 +188,36 @@ def test_ctrl_c_is_one_line_and_status_130(work):
     finally:
         os.close(fd)
     assert p.returncode == 130 and err == "interrupted\n", (p.returncode, out, err)
+
+
+def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tmp_path,
+                                                                            monkeypatch, capsys):
+    """A stage whose export fails (as k3's did once on a GPU) or Ctrl-C: what the cut wrote
+    goes, and cutting again into the same --out works."""
+    from kernjax import cli
+    from kernjax import stage as artifacts
+    from kernjax.cut import cut, whole
+    from kernjax.item import item_shape
+    fam, cfg = models.named(MODEL)
+    program = fam.program(cfg, dtype="float32", rows=16, context=64)
+    stages = (*cut(program, [20]), whole(program))
+    meta = dict(model=cli.model_meta(fam, cfg), checkpoint={"model": MODEL, "seed": 0,
+                "dtype": "float32"}, dtype="float32", item=item_shape(program, fam.PAGE))
+    real = artifacts.write
+
+    def fails_on_stage1(path, st, **kw):
+        if st.index != 1:
+            return real(path, st, **kw)
+        path.mkdir()
+        (path / "program.jaxexport").write_bytes(b"half")  # as a failing export leaves it
+        raise RuntimeError("export failed")
+
+    monkeypatch.setattr(artifacts, "write", fails_on_stage1)
+    with pytest.raises(RuntimeError, match="export failed"):
+        cli.write_cut(tmp_path, stages, [], meta)
+    assert os.listdir(tmp_path) == []
+    assert "removed what this cut had written" in capsys.readouterr().err
+    monkeypatch.setattr(artifacts, "write", real)
+    assert cli.previous_cut(tmp_path) == []
+    cli.write_cut(tmp_path, stages, [], meta)
+    assert sorted(os.listdir(tmp_path)) == ["stage0", "stage1", "whole"]
