@@ -31,7 +31,8 @@
 #   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
-# transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each).
+# transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each); then, here,
+# serve_summary.py --run ... --transfer transfer-ipc.json adds each transfer's share of the period.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.

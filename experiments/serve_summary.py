@@ -13,8 +13,14 @@ Each `--run KIND=DIR` names a load.py output directory:
 Every run must have answered every request with the whole program's token (load.py's `failures`
 and `mismatches`); a run that did not is reported and its rows are left out.
 
+Each `--transfer FILE` is an `experiments/transfer.py --out` file: `transfer_us` (time per item over
+the edge), `link_bound_us` (its bytes over the link's bandwidth) and, with a throughput run,
+`transfer_share`: that time over the 2-stage pipeline's item period (the slower stage's median
+period at the run's highest concurrency, from its `timeline-cN.txt`).
+
     python experiments/serve_summary.py --run ttft=out/ttft-ipc --run throughput=out/serve2-ipc \\
-        --run unpacked=out/serve2-ipc-seqs1 --gpu "2x NVIDIA H200" --out results/2026-12-01-h200x2-serve
+        --run unpacked=out/serve2-ipc-seqs1 --transfer out/transfer-ipc.json \\
+        --gpu "2x NVIDIA H200" --out results/2026-12-01-h200x2-serve
 """
 
 from __future__ import annotations
@@ -30,6 +36,41 @@ def load(d: Path) -> dict:
     data = json.loads((d / "results.json").read_text())
     bad = len(data.get("failures", [])) + len(data.get("mismatches", []))
     return {"rows": data["rows"], "meta": data.get("meta", {}), "bad": bad}
+
+
+def item_period_ms(d: Path) -> float | None:
+    """The slower stage's median item period at the run's highest concurrency (its
+    `timeline-cN.txt`, `python -m kernjax.timeline`'s report), or None."""
+    reports = sorted(d.glob("timeline-c*.txt"), key=lambda p: int(p.stem.split("-c")[-1]))
+    if not reports:
+        return None
+    periods, table = [], False
+    for line in reports[-1].read_text().splitlines():
+        if line.startswith("stage  items  period"):
+            table = True
+        elif table and line.split() and line.split()[0].isdigit():
+            periods.append(float(line.split()[2]))
+        elif table:
+            break
+    return max(periods) if periods else None
+
+
+def transfer_rows(files: list[Path], period_ms: float | None) -> list[dict]:
+    out = []
+    for f in files:
+        t = json.loads(f.read_text())
+        cfg = f"transfer {t['transport']}, {t['bytes_per_item']} B per item"
+        if not t.get("check", False):
+            out.append({"config": cfg, "metric": "transfer_check_failed", "value": 1.0})
+            continue
+        out.append({"config": cfg, "metric": "transfer_us", "value": round(t["us_per_item"], 3)})
+        out.append({"config": cfg, "metric": "link_bound_us",
+                    "value": round(t["link_bound_us"], 3)})
+        if period_ms:
+            out.append({"config": cfg + f", item period {period_ms:.3f} ms",
+                        "metric": "transfer_share",
+                        "value": round(t["us_per_item"] / (period_ms * 1e3), 4)})
+    return out
 
 
 def rows_of(runs: dict) -> tuple[list[dict], list[str]]:
@@ -70,6 +111,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", default=[], help="KIND=DIR (ttft, throughput, "
                     "unpacked)")
+    ap.add_argument("--transfer", action="append", default=[], type=Path,
+                    help="an experiments/transfer.py --out file (repeatable)")
     ap.add_argument("--gpu", default="", help="the machine, in words")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
@@ -83,6 +126,9 @@ def main(argv=None) -> int:
     if len(transports) > 1:
         ap.error(f"the runs used different transports {sorted(transports)}: one summary each")
     rows, notes = rows_of(runs)
+    dirs = dict(r.partition("=")[::2] for r in a.run)
+    rows += transfer_rows(a.transfer, item_period_ms(Path(dirs["throughput"]))
+                          if "throughput" in dirs else None)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
@@ -100,6 +146,7 @@ def main(argv=None) -> int:
     lines += [f"  - {k}: `{' '.join(v['meta'].get('argv', []))}`" for k, v in runs.items()]
     lines += ["", "| config | metric | value |", "|---|---|---:|"]
     lines += [f"| {r['config']} | {r['metric']} | {r['value']:.4f} |" for r in rows]
+    lines += [f"- transfer: `{f}`" for f in a.transfer]
     lines += [""] + [f"- {n}" for n in notes]
     (out / "README.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -98,7 +98,8 @@ def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
 
 def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     """experiments/serve_summary.py: ttft_ratio, throughput_ratio and packed_gain from load.py's
-    results, and a run with a mismatched token left out and reported."""
+    results, a transfer's time and its share of the pipeline's item period, and a run with a
+    mismatched token left out and reported."""
     import serve_summary
 
     def run(name, rows, mismatches=()):
@@ -114,12 +115,25 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
             run("tp", [("whole", 16, 0, 1000.0), ("2 stages", 16, 0, 1900.0)]).replace(
                 "tp=", "throughput="),
             run("unpacked", [("whole", 16, 0, 900.0), ("2 stages", 16, 0, 1700.0)])]
+    # the pipeline's item period at concurrency 16 (kernjax.timeline's report): stage 1, 40 ms
+    (tmp_path / "tp" / "timeline-c16.txt").write_text(
+        "2 stages, items 8..40, times in ms\n"
+        "stage  items  period p50    p90  held p50    p90  wait p50    p90  wait share  idle share\n"
+        "    0     33      38.000 40.000    30.000 31.000     0.000  0.100        1.0%        0.0%\n"
+        "    1     33      40.000 41.000    35.000 36.000     0.050  0.200        2.0%        0.0%\n"
+        "\nstage 0 |0011|\n")
+    (tmp_path / "tp" / "timeline-c4.txt").write_text("")  # a lower level's report: not read
+    (tmp_path / "transfer-ipc.json").write_text(json.dumps({
+        "transport": "ipc", "bytes_per_item": 5242880, "us_per_item": 20.0,
+        "link_bound_us": 15.5, "check": True}))
     args = [x for r in runs for x in ("--run", r)]
-    assert serve_summary.main([*args, "--gpu", "test", "--out", str(tmp_path / "out")]) == 0
+    assert serve_summary.main([*args, "--transfer", str(tmp_path / "transfer-ipc.json"),
+                               "--gpu", "test", "--out", str(tmp_path / "out")]) == 0
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     got = {r["metric"]: r["value"] for r in res["rows"]}
     assert got == {"ttft_ratio": 0.55, "throughput_ratio": 1.9,
-                   "packed_gain": round(1900 / 1700 - 1, 4)}
+                   "packed_gain": round(1900 / 1700 - 1, 4), "transfer_us": 20.0,
+                   "link_bound_us": 15.5, "transfer_share": 0.0005}
     assert res["transport"] == "ipc" and "8193,8193" in res["rows"][0]["config"]
     bad = run("bad", [("whole", 1, 300.0, 1.0), ("2 stages", 1, 165.0, 1.0)], [{"i": 0}])
     assert serve_summary.main(["--run", bad.replace("bad=", "ttft="), "--out",
