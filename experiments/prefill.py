@@ -30,8 +30,8 @@ Writes `results.json`, `README.md` (after every row) and `mfu.png` (after every 
 `--out` (default `<UTC date>-h200-prefill/` under `$OUT` when set, else experiments/results/;
 `--replot DIR` rewrites README.md and mfu.png from DIR/results.json), prints a progress line per row and the table at the end. A failing row prints one line
 and the run goes on. `--max_seconds` stops starting rows after that many seconds: each system
-gets a share of the time left in proportion to its rows, and a row predicted not to fit is
-skipped (said in the README).
+gets a share of the time left in proportion to its rows and programs (`share_weight`), and a
+row predicted not to fit is skipped (said in the README).
 
     python experiments/prefill.py --max_seconds 480                        # H200, qwen3-4b
     python experiments/prefill.py --model qwen3-tiny --prompts 64,128 --chunks 32,whole --iters 1
@@ -769,7 +769,8 @@ class Results:
                   "- `--max_seconds` "
                   + (f"{d['max_seconds']:.0f}" if d["max_seconds"] else "(off)")
                   + ": rows are started only while time is left; each system gets a share of "
-                  "the time left in proportion to its rows, a row whose predicted time (the "
+                  "the time left in proportion to its distinct rows plus two for each program it "
+                  "compiles, a row whose predicted time (the "
                   "longest compile so far when the row needs a new program, + 2 × the previous prefill of that chunk setting, or of a one-pass "
                   "row, scaled by (S/S_prev)²) does not fit is skipped, and iterations are cut to what fits "
                   "after the warm-up (at least one).",
@@ -831,11 +832,16 @@ def grid(args, system, prompts):
     return out
 
 
-def distinct_rows(system_name, args, prompts):
+def share_weight(system_name, args, prompts):
+    """A system's claim on `--max_seconds`: its distinct rows, and two more for each program it
+    compiles (a compile, ~10 s for qwen3-4b on an H200, costs as much as running a few rows):
+    jax-plain runs few rows but compiles one program for each of them."""
     g = grid(args, system_name, prompts)
     if system_name == "jax-plain":
         g = [x for x in g if x[2] == x[0]]
-    return max(1, len({(s, rows) for s, _, rows in g}))
+    programs = 0 if system_name == "transformers" else \
+        len({rows if rows < s else ("one pass", s) for s, _, rows in g})
+    return max(1, len({(s, rows) for s, _, rows in g}) + 2 * programs)
 
 
 def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: float, ref_logits):
@@ -972,7 +978,7 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
         sysobj.reset(h)
         with jax.profiler.trace(tmp):
             sysobj.prefill(h)
-        texts = [p.fn.as_text() for p in h.parts]
+        texts = [getattr(p, "fn", p).as_text() for p in h.parts]  # jax-plain's is the Compiled
         prof = kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
         say(f"{tag}: profile failed: {one_line(e)}")
@@ -1127,7 +1133,7 @@ def main():
     jax_systems = [x for x in args.systems if x != "transformers"]
     weights = None
     ref_logits: dict = {}
-    left_rows = {x: distinct_rows(x, args, args.prompts) for x in args.systems}
+    left_rows = {x: share_weight(x, args, args.prompts) for x in args.systems}
     try:
         if jax_systems and not args.compile_only:
             t = time.perf_counter()
