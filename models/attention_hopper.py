@@ -58,8 +58,11 @@ def _unnumbered_kernel_modules() -> None:
     modules this process has lowered (`mosaic_gpu.dump_basename`, for its dump files), and the
     name goes into the serialized kernel and so into JAX's persistent compilation cache key: the
     same program lowered after a different number of kernels missed the cache (an 8 s compile on
-    the H200 where a load takes well under one). The name is dropped before the module is
-    serialized; the compiler names it again if it dumps."""
+    the H200 where a load takes well under one). Before the module is serialized the name loses
+    its number (it only names dump files: kernels that dump would share them)."""
+    import re
+
+    from jax._src.lib.mlir import ir
     from jax.experimental.mosaic.gpu import core
 
     serde = getattr(core, "_run_serde_pass", None)
@@ -69,7 +72,9 @@ def _unnumbered_kernel_modules() -> None:
     def run_serde_pass(module, *args, **kwargs):
         attrs = module.operation.attributes
         if "mosaic_gpu.dump_basename" in attrs:
-            del attrs["mosaic_gpu.dump_basename"]
+            name = ir.StringAttr(attrs["mosaic_gpu.dump_basename"]).value
+            attrs["mosaic_gpu.dump_basename"] = ir.StringAttr.get(
+                re.sub(r"_\d+$", "", name), module.context)
         return serde(module, *args, **kwargs)
 
     run_serde_pass._kernjax = True
