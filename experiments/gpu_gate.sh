@@ -3,6 +3,9 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
+#   overlap    experimental: the Hopper kernel with overlap=True (intra-warpgroup overlap) against
+#              the float32 reference (tests/test_attention_pallas.py) and timed beside the default
+#              (experiments/attention.py --sweep); each under a timeout, in a call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -24,7 +27,9 @@
 # A device call may run 10 minutes; a session has 30 and each call's build takes ~40 s. Measured
 # on one H200 (2026-11-30, `30138d2`): tests A + the 3 chains at 512, 412 s; tests B + the chains
 # at 64, ~375 s; the k3 chains at 64 and 512, 160 s; the prefill step with --max_seconds 400 and
-# profiles, 506 s (it did not reach 32k in one chunk). The gates in two calls, then the table:
+# profiles, 506 s (it did not reach 32k in one chunk). First, in a call of its own (~300 s), the
+# experiment `overlap`; if its kernel is right and faster, make it the default before the gates.
+# The gates in two calls, then the table:
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
 #   B="tests/test_attention_pallas.py tests/test_mxfp4.py tests/test_kda.py tests/test_edge.py"
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
@@ -72,6 +77,19 @@ for step in "$@"; do
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
+  overlap)
+    # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
+    log "experiment: the Hopper kernel with intra-warpgroup overlap (models/attention_hopper.py)"
+    KERNJAX_TRY_OVERLAP=1 timeout 180 python -m pytest -q tests/test_attention_pallas.py \
+      -k "gpu and (overlap or hopper)" > "$OUT/logs/overlap-tests.log" 2>&1
+    echo "tests: exit $?" | say
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/overlap-tests.log" | tail -12 | say
+    for run in "hopper,hopper-overlap" "hopper-overlap --config 64,64,3"; do
+      timeout 120 python experiments/attention.py --kernel $run \
+        --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/overlap-${run%% *}.log" 2>&1
+      echo "attention.py --kernel $run: exit $?" | say
+      grep -E "^\| +[0-9]" "$OUT/logs/overlap-${run%% *}.log" | say
+    done ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \

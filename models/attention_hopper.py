@@ -124,7 +124,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -187,28 +187,23 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                                   plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA)
 
-            @pl.when(kv_steps > 0)
-            def _first_keys():
-                plgpu.barrier_wait(k_ready.at[0])
+            def zero_values_past_the_tile(t, slot):
+                """On the CTA's last step, the value rows past its last position: a page's
+                unused slots may hold anything, and 0 * NaN is not 0."""
+                @pl.when((t == cta_steps - 1) & (lax.rem(hi + 1, jnp.int32(block_kv)) != 0))
+                def _zero():
+                    for half in range(block_kv // 64):
+                        ref = v_smem.at[slot, pl.ds(half * 64, 64)]
+                        ki = plgpu.broadcasted_iota(jnp.int32, (64, d), 0,
+                                                    layout=plgpu.Layout.WGMMA)
+                        v = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
+                        ref[...] = jnp.where(ki + (t * block_kv + half * 64) <= hi, v,
+                                             jnp.zeros_like(v))
+                    plgpu.commit_smem()
 
-            pl.when(wg == 1)(take_turn)
-
-            def _next_keys_when(t):
-                @pl.when(t + 1 < kv_steps)
-                def _next_keys():
-                    plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(steps))])
-
-            def step(t, carry, masked):
-                acc, m, l = carry
-                slot = lax.rem(t, jnp.int32(steps))
-
-                def scores(ref):
-                    plgpu.wgmma(ref, qo, k_smem.at[slot].transpose((1, 0)))
-                    take_turn()
-                    return ref[...]
-
-                qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[slot])
+            def softmax(qk, t, m, l, masked):
+                """Row maxima, probabilities (in q's dtype), row sums and the factor that
+                rescales what came before, for the scores of step t."""
                 if masked:
                     qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
                                                 layout=plgpu.Layout.WGMMA)
@@ -218,64 +213,147 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                l = l * alpha + p.sum(axis=1)
-                p16 = p.astype(dtype)
-                acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
-                if masked:
-                    last = t == cta_steps - 1
-                    tail = lax.rem(hi + 1, jnp.int32(block_kv)) != 0
+                return p, m_new, l * alpha + p.sum(axis=1), alpha
 
-                    @pl.when(last & tail)
-                    def _zero_values_past_the_tile():
-                        for half in range(block_kv // 64):
-                            ref = v_smem.at[slot, pl.ds(half * 64, 64)]
-                            ki = plgpu.broadcasted_iota(jnp.int32, (64, d), 0,
-                                                        layout=plgpu.Layout.WGMMA)
-                            v = plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-                            ref[...] = jnp.where(ki + (t * block_kv + half * 64) <= hi, v,
-                                                 jnp.zeros_like(v))
+            def pingpong(acc, m, l):
+                """The two compute warpgroups take turns on the tensor cores: one's softmax runs
+                while the other's products do."""
+                @pl.when(kv_steps > 0)
+                def _first_keys():
+                    plgpu.barrier_wait(k_ready.at[0])
+
+                pl.when(wg == 1)(take_turn)
+
+                def _next_keys_when(t):
+                    @pl.when(t + 1 < kv_steps)
+                    def _next_keys():
+                        plgpu.barrier_wait(k_ready.at[lax.rem(t + 1, jnp.int32(steps))])
+
+                def step(t, carry, masked):
+                    acc, m, l = carry
+                    slot = lax.rem(t, jnp.int32(steps))
+
+                    def scores(ref):
+                        plgpu.wgmma(ref, qo, k_smem.at[slot].transpose((1, 0)))
+                        take_turn()
+                        return ref[...]
+
+                    qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    plgpu.barrier_arrive(turn)
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_wait(turn)
+                    if masked:
+                        zero_values_past_the_tile(t, slot)
+
+                    def values(ref):
+                        plgpu.wgmma(ref, p16, v_smem.at[slot])
+                        _next_keys_when(t)
+
+                    if interpret:  # the interpreter has neither run_state nor a wgmma from
+                        # registers: P through shared memory, and the same sum, not fused
+                        p_smem = scoped[-1].at[wg]
+                        p_smem[...] = p16
                         plgpu.commit_smem()
+
+                        def values_from_smem(ref):
+                            plgpu.wgmma(ref, p_smem, v_smem.at[slot])
+                            _next_keys_when(t)
+                            return ref[...]
+
+                        acc = acc + pl.run_scoped(values_from_smem,
+                                                  plgpu.ACC((block_q, d), jnp.float32))
+                    else:
+                        acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    return acc, m_new, l
+
+                def drain(t, _):  # steps this warpgroup's rows do not need: release them
+                    slot = lax.rem(t, jnp.int32(steps))
+                    plgpu.barrier_wait(k_ready.at[slot])  # (every phase of a barrier waited on
+                    plgpu.barrier_wait(v_ready.at[slot])  # is observed: the interpreter checks it)
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    take_turn()
+                    take_turn()
+
+                carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m, l))
+                acc, m, l = lax.fori_loop(n_full, kv_steps, functools.partial(step, masked=True),
+                                          carry)
+                lax.fori_loop(kv_steps, cta_steps, drain, None)
+                pl.when(wg == 0)(take_turn)
+                return acc, l
+
+            def overlapped(acc, m, l):
+                """Each warpgroup on its own, its softmax of step t running while its product
+                of step t-1's probabilities with the values does (FlashAttention-3's
+                intra-warpgroup overlap): issue S_t = Q K_t^T and O += P_{t-1} V_{t-1}, wait
+                for S_t alone, softmax, wait for O, rescale. A warpgroup without rows runs
+                step 0 for nothing (it stores nothing) and drains the rest."""
+                s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                       plgpu.Layout.WGMMA)
+                own_steps = jnp.maximum(kv_steps, 1)
+                plgpu.barrier_wait(k_ready.at[0])
+
+                def first(ref):
+                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
+                    return ref[...]
+
+                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[0])
+                p, m, l, _ = softmax(qk, 0, m, l, True)
+
+                def step(t, carry, masked):
+                    acc, m, l, p16 = carry
+                    slot, prev = lax.rem(t, jnp.int32(steps)), lax.rem(t - 1, jnp.int32(steps))
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[prev])
+
+                    def body(refs):
+                        s_ref, o_ref, p_ref, m_ref, l_ref, a_ref = refs
+                        plgpu.wgmma(s_ref, qo, k_smem.at[slot].transpose((1, 0)))
+                        plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+                        qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t, not O
+                        p, m_ref[...], l_ref[...], a_ref[...] = softmax(qk, t, m, l, masked)
+                        p_ref[...] = p.astype(dtype)
+
+                    _, acc, p16, m, l, alpha = pl.run_state(body)(
+                        (plgpu.ACC.init(s0), plgpu.ACC.init(acc), p16, m, l, m))
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[prev])
+                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16
+
+                split = jnp.maximum(n_full, 1)
+                carry = lax.fori_loop(1, split, functools.partial(step, masked=False),
+                                      (acc, m, l, p.astype(dtype)))
+                acc, m, l, p16 = lax.fori_loop(split, own_steps,
+                                               functools.partial(step, masked=True), carry)
+                last = own_steps - 1
+                slot = lax.rem(last, jnp.int32(steps))
+                plgpu.barrier_wait(v_ready.at[slot])
+                zero_values_past_the_tile(last, slot)
 
                 def values(ref):
                     plgpu.wgmma(ref, p16, v_smem.at[slot])
-                    _next_keys_when(t)
 
-                if interpret:  # the interpreter has neither run_state nor a wgmma from
-                    # registers: P through shared memory, and the same sum, not fused
-                    p_smem = scoped[-1].at[wg]
-                    p_smem[...] = p16
-                    plgpu.commit_smem()
-
-                    def values_from_smem(ref):
-                        plgpu.wgmma(ref, p_smem, v_smem.at[slot])
-                        _next_keys_when(t)
-                        return ref[...]
-
-                    acc = acc + pl.run_scoped(values_from_smem,
-                                              plgpu.ACC((block_q, d), jnp.float32))
-                else:
-                    acc = pl.run_state(values)(plgpu.ACC.init(acc))
+                acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
-                return acc, m_new, l
 
-            def drain(t, _):  # steps this warpgroup's rows do not need: release them
-                slot = lax.rem(t, jnp.int32(steps))
-                plgpu.barrier_wait(k_ready.at[slot])  # (every phase of a barrier waited on
-                plgpu.barrier_wait(v_ready.at[slot])  # is observed: the interpreter checks it)
-                plgpu.barrier_arrive(k_free.at[slot])
-                plgpu.barrier_arrive(v_free.at[slot])
-                take_turn()
-                take_turn()
+                @pl.loop(own_steps, cta_steps)
+                def _drain(t):
+                    slot = lax.rem(t, jnp.int32(steps))
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
 
-            carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m, l))
-            acc, m, l = lax.fori_loop(n_full, kv_steps, functools.partial(step, masked=True),
-                                      carry)
-            lax.fori_loop(kv_steps, cta_steps, drain, None)
-            pl.when(wg == 0)(take_turn)
+                return acc, l
+
+            acc, l = (overlapped if overlap else pingpong)(acc, m, l)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -315,10 +393,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 plgpu.barrier_wait(v_free.at[slot])
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
+                                             "overlap"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
-                    interpret=False) -> jax.Array:
+                    interpret=False, overlap: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -328,6 +407,10 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     block_q: rows per compute warpgroup (a multiple of 64: wgmma's M); a CTA takes 2 * block_q.
     block_kv: keys per step (a multiple of 64). steps: key/value slots in shared memory.
     interpret: Mosaic GPU's interpreter (CPU tests; `True` or its `InterpretGPUParams`).
+    overlap: each warpgroup overlaps its softmax with its own products (FlashAttention-3's
+      intra-warpgroup overlap) instead of taking turns with the other; GPU only (the
+      interpreter runs neither `run_state` nor a product from registers). Experimental: not the
+      default until measured faster and tested on the GPU.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -340,6 +423,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          f"{q.dtype}, {d}")
     if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
         raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
+    if overlap and interpret:
+        raise ValueError("overlap runs on a GPU only: Mosaic GPU's interpreter has neither "
+                         "run_state nor a wgmma from registers")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")
@@ -347,7 +433,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     kernel = functools.partial(
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
-        interpret=bool(interpret))
+        interpret=bool(interpret), overlap=bool(overlap))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

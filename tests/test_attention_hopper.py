@@ -82,15 +82,28 @@ def test_batch_invariance():
     assert outs[0].tobytes() == outs[1].tobytes()
 
 
-def _lowered_for_h200(rows=512) -> str:
+def _lowered_for_h200(rows=512, **kw) -> str:
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     S = jax.ShapeDtypeStruct
     args = (S((257, 16, 2, 8, 128), jnp.bfloat16), S((rows, 32, 128), jnp.bfloat16),
             S((rows,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
-    fn = jax.jit(lambda *a: attention_hopper.chunk_attention(*a, scale=128 ** -0.5))
+    fn = jax.jit(lambda *a: attention_hopper.chunk_attention(*a, scale=128 ** -0.5, **kw))
     with jax.sharding.use_abstract_mesh(mesh):
         return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+
+
+def test_the_overlapped_variant_lowers_for_an_h200_and_the_interpreter_refuses_it():
+    """`overlap=True` (experimental; checked and timed on the GPU by `gpu_gate.sh overlap`)
+    passes Mosaic GPU's layout inference here; the interpreter cannot run it and says so."""
+    assert "mosaic_gpu" in _lowered_for_h200(overlap=True)
+    assert "mosaic_gpu" in _lowered_for_h200(overlap=True, block_kv=64, steps=3)
+    S = jax.ShapeDtypeStruct
+    args = (S((9, 16, 2, 2, 64), jnp.bfloat16), S((16, 4, 64), jnp.bfloat16),
+            S((16,), jnp.int32), S((2,), jnp.int32), S((1, 4), jnp.int32))
+    with pytest.raises(ValueError, match="overlap runs on a GPU only"):
+        jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
+            *a, scale=1.0, overlap=True, interpret=True), *args)
 
 
 def test_lowers_to_mosaic_gpu():

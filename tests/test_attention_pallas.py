@@ -12,6 +12,7 @@ read past the context shows up as NaN in the output.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -222,6 +223,9 @@ GPU_ITEMS = {
 
 
 KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention}
+if os.environ.get("KERNJAX_TRY_OVERLAP"):  # experiments/gpu_gate.sh overlap: an experiment's
+    # checks, in a device call of its own (a kernel that deadlocks must not take the gates along)
+    KERNELS["hopper-overlap"] = functools.partial(attention_hopper.chunk_attention, overlap=True)
 
 
 @gpu
