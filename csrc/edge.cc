@@ -152,34 +152,7 @@ ffi::Error PostImpl(ffi::Buffer<ffi::S32> tok, ffi::Buffer<ffi::S32> value, int6
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjHoldCpu, HoldImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tok
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // target
-                                  .RemainingArgs()  // what the hold waits after (order only)
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("word")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjRecvCpu, RecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tok
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("index")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPushCpu, PushImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()         // x
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tok
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("index")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPostCpu, PostImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // tok
-                                  .Arg<ffi::Buffer<ffi::S32>>()  // value
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("word")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjHoldCpu, HoldImpl, kj::BindHold(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjRecvCpu, RecvImpl, kj::BindRecv(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPushCpu, PushImpl, kj::BindPush(ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPostCpu, PostImpl, kj::BindPost(ffi::Ffi::Bind()));

@@ -186,38 +186,11 @@ ffi::Error PostImpl(cudaStream_t stream, ffi::Buffer<ffi::S32> tok, ffi::Buffer<
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjHoldCuda, HoldImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .RemainingArgs()
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("word")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjRecvCuda, RecvImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("index")
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPushCuda, PushImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("index")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPostCuda, PostImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("edge")
-                                  .Attr<int64_t>("word")
-                                  .Ret<ffi::Buffer<ffi::S32>>());
+namespace {
+auto OnStream() { return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>(); }
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjHoldCuda, HoldImpl, kj::BindHold(OnStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjRecvCuda, RecvImpl, kj::BindRecv(OnStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPushCuda, PushImpl, kj::BindPush(OnStream()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjPostCuda, PostImpl, kj::BindPost(OnStream()));

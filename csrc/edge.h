@@ -18,7 +18,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include "xla/ffi/api/ffi.h"
 
 namespace kj {
 
@@ -78,6 +81,36 @@ inline std::string Place(const Edge& e, int64_t index, int32_t seq, uint64_t byt
   if (seq < 0) return "negative sequence number " + std::to_string(seq);
   *addr = e.base + static_cast<uint64_t>(seq % e.nslots) * e.stride + e.offsets[index];
   return "";
+}
+
+// Each edge op's operands, attributes and results, one list for its CPU and its CUDA handler
+// (one exported program binds to either): `b` is xla::ffi::Ffi::Bind(), on CUDA with the stream.
+//   hold(tok, target, *after) [edge, word] -> tok      recv(tok, seq) [edge, index] -> x, tok
+//   push(x, tok, seq) [edge, index] -> tok             post(tok, value) [edge, word] -> tok
+// `after` orders the hold behind other values; `seq`/`target`/`value` are per-item operands.
+template <typename B>
+auto BindHold(B b) {
+  using S32 = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(b).template Arg<S32>().template Arg<S32>().RemainingArgs()
+      .template Attr<int64_t>("edge").template Attr<int64_t>("word").template Ret<S32>();
+}
+template <typename B>
+auto BindRecv(B b) {
+  using S32 = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(b).template Arg<S32>().template Arg<S32>().template Attr<int64_t>("edge")
+      .template Attr<int64_t>("index").template Ret<xla::ffi::AnyBuffer>().template Ret<S32>();
+}
+template <typename B>
+auto BindPush(B b) {
+  using S32 = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(b).template Arg<xla::ffi::AnyBuffer>().template Arg<S32>().template Arg<S32>()
+      .template Attr<int64_t>("edge").template Attr<int64_t>("index").template Ret<S32>();
+}
+template <typename B>
+auto BindPost(B b) {
+  using S32 = xla::ffi::Buffer<xla::ffi::S32>;
+  return std::move(b).template Arg<S32>().template Arg<S32>().template Attr<int64_t>("edge")
+      .template Attr<int64_t>("word").template Ret<S32>();
 }
 
 }  // namespace kj

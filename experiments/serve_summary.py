@@ -116,18 +116,17 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu", default="", help="the machine, in words")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
-    runs = {}
+    runs, dirs = {}, {}
     for r in a.run:
         kind, _, d = r.partition("=")
         if kind not in ("ttft", "throughput", "unpacked") or not d:
             ap.error(f"--run {r!r}: give KIND=DIR with KIND one of ttft, throughput, unpacked")
-        runs[kind] = load(Path(d))
+        runs[kind], dirs[kind] = load(Path(d)), Path(d)
     transports = {v["meta"].get("transport", "host") for v in runs.values()}
     if len(transports) > 1:
         ap.error(f"the runs used different transports {sorted(transports)}: one summary each")
     rows, notes = rows_of(runs)
-    dirs = dict(r.partition("=")[::2] for r in a.run)
-    rows += transfer_rows(a.transfer, item_period_ms(Path(dirs["throughput"]))
+    rows += transfer_rows(a.transfer, item_period_ms(dirs["throughput"])
                           if "throughput" in dirs else None)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,

@@ -30,16 +30,15 @@ from kernjax.trace import Slot, as_function
 FORMAT = 1
 PROGRAM = "program.jaxexport"
 # Custom calls jax.export refuses by default because their encoding may change between releases:
-# Pallas' Triton and Mosaic GPU kernels, and the extension's own kernels that a call lowers to on
-# some platform (kj_kda on CUDA). An artifact is read only by the jax version and the extension
-# that wrote it, so they are safe.
+# Pallas' Triton and Mosaic GPU kernels, and the extension's own ops (kj_kda, which k3's KDA calls
+# lower to on CUDA; the edge ops of edged programs). An artifact is read only by the jax version
+# and the extension that wrote it, so they are safe; naming a target a program lacks costs nothing.
 UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
-            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "kj_kda", "kj_mark")]
+            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "kj_kda", "kj_mark",
+                         "kj_hold", "kj_recv", "kj_push", "kj_post")]
 # A stage of a cut also gets its program with the edge ops at its edges (kernjax/edge.py), for
 # the transports that move activations on the device; its inputs end with the item's number.
 EDGED = "edged.jaxexport"
-EDGE_OPS = [export.DisabledSafetyCheck.custom_call(f"kj_{op}")
-            for op in ("hold", "recv", "push", "post")]
 
 
 class ArtifactError(ValueError):
@@ -111,7 +110,7 @@ def export_stage(stage: Stage, platform: str | None = None, *,
                         edge_out=None if last else stage.index)
         specs = [s.spec() for s in stage.inputs] + [jax.ShapeDtypeStruct((1,), "int32")]
     return export.export(jax.jit(fn), platforms=[platform],
-                         disabled_checks=UNSTABLE + (EDGE_OPS if edged else []))(*specs)
+                         disabled_checks=UNSTABLE)(*specs)
 
 
 def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,
