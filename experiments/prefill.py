@@ -199,7 +199,7 @@ class JaxSystem:
 
     def context(self, s, rows):
         shared = not self.args.exact_context and rows < s and rows not in self.exact_rows
-        ctx = max(self.args.prompts) if shared else s
+        ctx = (self.args.shared_context or max(self.args.prompts)) if shared else s
         return -(-ctx // self.fam.PAGE) * self.fam.PAGE
 
     def has(self, s, rows):
@@ -1001,7 +1001,9 @@ def second_start(args, res: Results) -> None:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--compile_only", "--model", args.model,
            "--dtype", args.dtype, "--prompts", ",".join(map(str, args.second_start)),
            "--chunks", ",".join(map(str, args.chunks)), "--systems", ",".join(systems),
-           "--max_seconds", "0", "--out", str(out)]
+           "--max_seconds", "0", "--out", str(out),
+           # the chunk programs this run compiled, not ones sized for the second start's prompts
+           "--shared_context", str(args.shared_context or max(args.prompts))]
     if args.at:
         cmd += ["--at", args.at]
     if args.exact_context:
@@ -1046,6 +1048,9 @@ def parse_args(argv=None):
     ap.add_argument("--exact_context", action="store_true",
                     help="context = S for every program (default: chunk programs are compiled "
                     "once with the largest prompt's context and shared by all prompts)")
+    ap.add_argument("--shared_context", type=int, default=0,
+                    help="the context of the shared chunk programs (default 0: the largest "
+                    "prompt); --second_start passes this run's")
     ap.add_argument("--plain_attention", default="auto",
                     help="jax-plain's implementation: auto (cudnn, xla on the CPU), cudnn, xla")
     ap.add_argument("--profile", nargs="?", const="all", default="",
@@ -1076,6 +1081,9 @@ def parse_args(argv=None):
     a.profile = set(a.prompts) if a.profile == "all" else \
         {int(x) for x in a.profile.split(",") if x.strip()}
     a.second_start = sorted({int(x) for x in a.second_start.split(",") if x.strip()})
+    if a.shared_context and a.shared_context < max(a.prompts):
+        ap.error(f"--shared_context {a.shared_context} is shorter than the longest prompt "
+                 f"{max(a.prompts)}: give at least that, or 0 for the longest prompt")
     if a.plain_attention == "xla":
         a.plain_attention = None
     at = a.at
