@@ -25,16 +25,15 @@
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
 # A device call may run 10 minutes; a session has 30 and each call's build takes ~40 s. Measured
-# on one H200 (2026-11-30, `30138d2`): tests A + the 3 chains at 512, 412 s; tests B + the chains
-# at 64, ~375 s; the k3 chains at 64 and 512, 160 s; the prefill step with --max_seconds 400 and
-# profiles, 506 s (it did not reach 32k in one chunk). First, in a call of its own (~300 s), the
-# experiment `overlap`; if its kernel is right and faster, make it the default before the gates.
-# The gates in two calls, then the table:
+# on one H200 (2026-11-30, `d91317b`): `overlap` 242 s; tests A + the 3 chains at 512, 394 s;
+# tests B + the chains at 64, 271 s; the whole prefill table without profiles, 495 s (32k in one
+# chunk included); the k3 chains at 64 and 512, 160 s (`2a8776d`). Issue 6's gates, in two calls:
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
 #   B="tests/test_attention_pallas.py tests/test_mxfp4.py tests/test_kda.py tests/test_edge.py"
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
+# They passed at `d91317b`; rerun them after any change to models/, kernjax/ or csrc/.
 # On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
 # transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each); then, here,
 # serve_summary.py --run ... --transfer transfer-ipc.json adds each transfer's share of the period.
