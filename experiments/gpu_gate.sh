@@ -143,10 +143,13 @@ for step in "$@"; do
     for t in ${TRANSPORTS:-ipc}; do
       load() {  # NAME then load.py flags
         local name=$1; shift
-        python experiments/load.py --model qwen3-4b --at 18 --chunk 512 --context 16384 \
-          --gpus 0,1 --transport "$t" --warmup 4 --out "$OUT/logs/$name" "$@" \
-          > "$OUT/logs/$name.log" 2>&1
+        # each run under its own limit: a hung pipeline must leave the other runs their time
+        timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
+          --chunk 512 --context 16384 --gpus 0,1 --transport "$t" --warmup 4 \
+          --out "$OUT/logs/$name" "$@" > "$OUT/logs/$name.log" 2>&1
+        local rc=$?
         grep -E "^\||mismatch|failed requests" "$OUT/logs/$name.log" | tail -9 | say
+        [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
       log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
       load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
