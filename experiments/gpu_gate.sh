@@ -3,9 +3,11 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
-#   overlap    experimental: the Hopper kernel with overlap=True (intra-warpgroup overlap) against
-#              the float32 reference (tests/test_attention_pallas.py) and timed beside the default
-#              (experiments/attention.py --sweep); each under a timeout, in a call of its own
+#   overlap    experimental: the Hopper kernel with overlap=True (intra-warpgroup overlap; 5-14 %
+#              slower at `d91317b`) and with overlap=True, turns=True (overlap within and between
+#              warpgroups) against the float32 reference (tests/test_attention_pallas.py), the
+#              latter timed beside the default (experiments/attention.py); each under a timeout,
+#              in a call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -79,11 +81,11 @@ for step in "$@"; do
   overlap)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     log "experiment: the Hopper kernel with intra-warpgroup overlap (models/attention_hopper.py)"
-    KERNJAX_TRY_OVERLAP=1 timeout 180 python -m pytest -q tests/test_attention_pallas.py \
+    KERNJAX_TRY_OVERLAP=1 timeout 240 python -m pytest -q tests/test_attention_pallas.py \
       -k "gpu and (overlap or hopper)" > "$OUT/logs/overlap-tests.log" 2>&1
     echo "tests: exit $?" | say
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/overlap-tests.log" | tail -12 | say
-    for run in "hopper,hopper-overlap" "hopper-overlap --config 64,64,3"; do
+    for run in "hopper,hopper-overlap-turns" "hopper-overlap-turns --config 64,64,3"; do
       timeout 120 python experiments/attention.py --kernel $run \
         --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/overlap-${run%% *}.log" 2>&1
       echo "attention.py --kernel $run: exit $?" | say

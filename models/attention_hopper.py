@@ -124,7 +124,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -293,14 +293,25 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 of step t-1's probabilities with the values does (FlashAttention-3's
                 intra-warpgroup overlap): issue S_t = Q K_t^T and O += P_{t-1} V_{t-1}, wait
                 for S_t alone, softmax, wait for O, rescale. A warpgroup without rows runs
-                step 0 for nothing (it stores nothing) and drains the rest."""
+                step 0 for nothing (it stores nothing) and drains the rest. With `turns`, the
+                two warpgroups also alternate (FlashAttention-3 does both): each meets the other
+                right after issuing a step's products, one step apart, so one's softmax runs
+                while the other's products do. Every warpgroup meets the other once per step
+                of the CTA, plus once more, at the start (1) or at the end (0)."""
+                def handover():
+                    if turns:
+                        take_turn()
+
                 s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
                                        plgpu.Layout.WGMMA)
                 own_steps = jnp.maximum(kv_steps, 1)
+                if turns:
+                    pl.when(wg == 1)(take_turn)
                 plgpu.barrier_wait(k_ready.at[0])
 
                 def first(ref):
                     plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
+                    handover()
                     return ref[...]
 
                 qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -317,6 +328,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                         s_ref, o_ref, p_ref, m_ref, l_ref, a_ref = refs
                         plgpu.wgmma(s_ref, qo, k_smem.at[slot].transpose((1, 0)))
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
+                        handover()
                         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t, not O
                         p, m_ref[...], l_ref[...], a_ref[...] = softmax(qk, t, m, l, masked)
                         p_ref[...] = p.astype(dtype)
@@ -339,6 +351,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                 def values(ref):
                     plgpu.wgmma(ref, p16, v_smem.at[slot])
+                    handover()
 
                 acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -350,7 +363,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
+                    handover()
 
+                if turns:
+                    pl.when(wg == 0)(take_turn)
                 return acc, l
 
             acc, l = (overlapped if overlap else pingpong)(acc, m, l)
@@ -394,10 +410,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap"))
+                                             "overlap", "turns"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
-                    interpret=False, overlap: bool = False) -> jax.Array:
+                    interpret=False, overlap: bool = False, turns: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -411,6 +427,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       intra-warpgroup overlap) instead of taking turns with the other; GPU only (the
       interpreter runs neither `run_state` nor a product from registers). Experimental: not the
       default until measured faster and tested on the GPU.
+    turns: with overlap, the two warpgroups also take turns issuing their products (overlap
+      within and between warpgroups, as FlashAttention-3 has both). Experimental too.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -423,6 +441,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          f"{q.dtype}, {d}")
     if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
         raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
+    if turns and not overlap:
+        raise ValueError("turns=True goes with overlap=True (without overlap the warpgroups "
+                         "take turns already)")
     if overlap and interpret:
         raise ValueError("overlap runs on a GPU only: Mosaic GPU's interpreter has neither "
                          "run_state nor a wgmma from registers")
@@ -433,7 +454,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     kernel = functools.partial(
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
-        interpret=bool(interpret), overlap=bool(overlap))
+        interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

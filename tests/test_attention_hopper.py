@@ -94,16 +94,21 @@ def _lowered_for_h200(rows=512, **kw) -> str:
 
 
 def test_the_overlapped_variant_lowers_for_an_h200_and_the_interpreter_refuses_it():
-    """`overlap=True` (experimental; checked and timed on the GPU by `gpu_gate.sh overlap`)
+    """`overlap=True`, alone and with `turns=True` (experimental; checked and timed on the GPU
+    by `gpu_gate.sh overlap`)
     passes Mosaic GPU's layout inference here; the interpreter cannot run it and says so."""
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, block_kv=64, steps=3)
+    assert "mosaic_gpu" in _lowered_for_h200(overlap=True, turns=True)
     S = jax.ShapeDtypeStruct
     args = (S((9, 16, 2, 2, 64), jnp.bfloat16), S((16, 4, 64), jnp.bfloat16),
             S((16,), jnp.int32), S((2,), jnp.int32), S((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="overlap runs on a GPU only"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
             *a, scale=1.0, overlap=True, interpret=True), *args)
+    with pytest.raises(ValueError, match="turns=True goes with overlap=True"):
+        jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
+            *a, scale=1.0, turns=True), *args)
 
 
 def test_lowers_to_mosaic_gpu():

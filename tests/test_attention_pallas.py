@@ -226,6 +226,8 @@ KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention
 if os.environ.get("KERNJAX_TRY_OVERLAP"):  # experiments/gpu_gate.sh overlap: an experiment's
     # checks, in a device call of its own (a kernel that deadlocks must not take the gates along)
     KERNELS["hopper-overlap"] = functools.partial(attention_hopper.chunk_attention, overlap=True)
+    KERNELS["hopper-overlap-turns"] = functools.partial(attention_hopper.chunk_attention,
+                                                        overlap=True, turns=True)
 
 
 @gpu
