@@ -41,7 +41,7 @@
 # first, in a call of its own (~370 s): if overlap=True, turns=True is right and faster than the
 # default, make it the default and run the gates and the table again; then issue 8 below.
 # On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
-# transfer, then TRANSPORTS=ipc gpu_gate.sh serve2 (and nccl, shm, host: a call each); then, here,
+# transfer, then TRANSPORTS=ipc ONE_SLOT=1 gpu_gate.sh serve2 (and nccl, shm, host: a call each); then, here,
 # serve_summary.py --run ... --transfer transfer-ipc.json adds each transfer's share of the period.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
@@ -161,8 +161,14 @@ for step in "$@"; do
       load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
       load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
       load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
+      slot1=()  # ONE_SLOT=1: what a second slot per edge buys (slot_gain); nccl has no slots
+      if [ -n "${ONE_SLOT:-}" ] && [ "$t" != nccl ]; then
+        load "serve2-$t-slot1" --seqs 16 --prompt_len 4500,9500 --concurrency 16 --requests 32 \
+          --edge_slots 1
+        slot1=(--run "one_slot=$OUT/logs/serve2-$t-slot1")
+      fi
       python experiments/serve_summary.py --run "throughput=$OUT/logs/serve2-$t" \
-        --run "unpacked=$OUT/logs/serve2-$t-seqs1" --run "ttft=$OUT/logs/ttft-$t" \
+        --run "unpacked=$OUT/logs/serve2-$t-seqs1" --run "ttft=$OUT/logs/ttft-$t" "${slot1[@]}" \
         --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
         --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
     done ;;

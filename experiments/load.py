@@ -341,7 +341,7 @@ def main():
     import jax
     meta = {"argv": [_scrub(x, paths) for x in sys.argv[1:]], "python": platform.python_version(), "jax": jax.__version__,
             "cpus": os.cpu_count(), "date_unix": int(time.time()), "transport": a.transport,
-            "edge_slots": a.edge_slots if a.transport == "shm" else None}
+            "edge_slots": a.edge_slots if a.transport in ("shm", "ipc") else None}
     (out / "results.json").write_text(json.dumps(
         {"meta": meta, "rows": rows, "failures": failures, "mismatches": mismatches},
         indent=1, default=str))

@@ -9,6 +9,9 @@ Each `--run KIND=DIR` names a load.py output directory:
               tokens/s of 2 stages over whole
   unpacked    the same prompts cut with `--seqs 1` (one sequence per item): `packed_gain` at each
               concurrency, the packed 2-stage tokens/s over the unpacked ones, minus 1
+  one_slot    the throughput run's prompts with `--edge_slots 1`: `slot_gain` at each concurrency
+              both have, the 2-stage tokens/s with the throughput run's slots per edge over one
+              slot, minus 1 (what running ahead of the next stage buys)
 
 Every run must have answered every request with the whole program's token (load.py's `failures`
 and `mismatches`); a run that did not is reported and its rows are left out.
@@ -73,6 +76,9 @@ def transfer_rows(files: list[Path], period_ms: float | None) -> list[dict]:
     return out
 
 
+KINDS = ("ttft", "throughput", "unpacked", "one_slot")
+
+
 def rows_of(runs: dict) -> tuple[list[dict], list[str]]:
     out, notes = [], []
     by = {k: {(r["config"], r["concurrency"]): r for r in v["rows"]} for k, v in runs.items()}
@@ -104,13 +110,21 @@ def rows_of(runs: dict) -> tuple[list[dict], list[str]]:
                                 "value": round(s["prompt_tok_s"] / u["prompt_tok_s"] - 1, 4),
                                 "packed_tok_s": s["prompt_tok_s"],
                                 "unpacked_tok_s": u["prompt_tok_s"]})
+                o = by.get("one_slot", {}).get(("2 stages", c)) if "one_slot" in ok else None
+                if o:
+                    n = runs["throughput"]["meta"].get("edge_slots")
+                    out.append({"config": f"2 stages, concurrency {c}, {n} slots against 1",
+                                "metric": "slot_gain",
+                                "value": round(s["prompt_tok_s"] / o["prompt_tok_s"] - 1, 4),
+                                "slots": n, "tok_s": s["prompt_tok_s"],
+                                "one_slot_tok_s": o["prompt_tok_s"]})
     return out, notes
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="append", default=[], help="KIND=DIR (ttft, throughput, "
-                    "unpacked)")
+                    "unpacked, one_slot)")
     ap.add_argument("--transfer", action="append", default=[], type=Path,
                     help="an experiments/transfer.py --out file (repeatable)")
     ap.add_argument("--gpu", default="", help="the machine, in words")
@@ -119,8 +133,8 @@ def main(argv=None) -> int:
     runs, dirs = {}, {}
     for r in a.run:
         kind, _, d = r.partition("=")
-        if kind not in ("ttft", "throughput", "unpacked") or not d:
-            ap.error(f"--run {r!r}: give KIND=DIR with KIND one of ttft, throughput, unpacked")
+        if kind not in KINDS or not d:
+            ap.error(f"--run {r!r}: give KIND=DIR with KIND one of {', '.join(KINDS)}")
         runs[kind], dirs[kind] = load(Path(d)), Path(d)
     transports = {v["meta"].get("transport", "host") for v in runs.values()}
     if len(transports) > 1:

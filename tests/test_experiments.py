@@ -97,16 +97,17 @@ def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
 
 
 def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
-    """experiments/serve_summary.py: ttft_ratio, throughput_ratio and packed_gain from load.py's
-    results, a transfer's time and its share of the pipeline's item period, and a run with a
-    mismatched token left out and reported."""
+    """experiments/serve_summary.py: ttft_ratio, throughput_ratio, packed_gain and slot_gain
+    from load.py's results, a transfer's time and its share of the pipeline's item period, and a
+    run with a mismatched token left out and reported."""
     import serve_summary
 
-    def run(name, rows, mismatches=()):
+    def run(name, rows, mismatches=(), slots=2):
         d = tmp_path / name
         d.mkdir()
         (d / "results.json").write_text(json.dumps({
-            "meta": {"transport": "ipc", "argv": ["--prompt_len", "8193,8193"]},
+            "meta": {"transport": "ipc", "argv": ["--prompt_len", "8193,8193"],
+                     "edge_slots": slots},
             "rows": [{"config": c, "concurrency": k, "ttft_p50_ms": t, "prompt_tok_s": v}
                      for c, k, t, v in rows], "failures": [], "mismatches": list(mismatches)}))
         return f"{name}={d}"
@@ -114,7 +115,8 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     runs = [run("ttft", [("whole", 1, 300.0, 1.0), ("2 stages", 1, 165.0, 1.0)]),
             run("tp", [("whole", 16, 0, 1000.0), ("2 stages", 16, 0, 1900.0)]).replace(
                 "tp=", "throughput="),
-            run("unpacked", [("whole", 16, 0, 900.0), ("2 stages", 16, 0, 1700.0)])]
+            run("unpacked", [("whole", 16, 0, 900.0), ("2 stages", 16, 0, 1700.0)]),
+            run("one_slot", [("whole", 16, 0, 1000.0), ("2 stages", 16, 0, 1600.0)], slots=1)]
     # the pipeline's item period at concurrency 16 (kernjax.timeline's report): stage 1, 40 ms
     (tmp_path / "tp" / "timeline-c16.txt").write_text(
         "2 stages, items 8..40, times in ms\n"
@@ -132,7 +134,8 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     res = json.loads((tmp_path / "out" / "results.json").read_text())
     got = {r["metric"]: r["value"] for r in res["rows"]}
     assert got == {"ttft_ratio": 0.55, "throughput_ratio": 1.9,
-                   "packed_gain": round(1900 / 1700 - 1, 4), "transfer_us": 20.0,
+                   "packed_gain": round(1900 / 1700 - 1, 4),
+                   "slot_gain": round(1900 / 1600 - 1, 4), "transfer_us": 20.0,
                    "link_bound_us": 15.5, "transfer_share": 0.0005}
     assert res["transport"] == "ipc" and "8193,8193" in res["rows"][0]["config"]
     bad = run("bad", [("whole", 1, 300.0, 1.0), ("2 stages", 1, 165.0, 1.0)], [{"i": 0}])
