@@ -61,6 +61,9 @@ __global__ void CopyKernel(char* dst, const char* src, unsigned long long bytes,
   for (unsigned long long j = i; j < vec; j += step)
     reinterpret_cast<uint4*>(dst)[j] = reinterpret_cast<const uint4*>(src)[j];
   for (unsigned long long j = vec * 16 + i; j < bytes; j += step) dst[j] = src[j];
+  // A push's bytes go to another GPU or to the host, which learn of them from the post's word
+  // (a later kernel): each writer fences its own stores at system scope before it ends.
+  if (slotted == 1) __threadfence_system();
   if (i == 0) *out = *tok;
 }
 
