@@ -49,15 +49,19 @@ double HoldTimeout() { return g_timeout; }
 
 void BindEdge(int64_t edge, uint64_t arrived, uint64_t taken, uint64_t base, int64_t stride,
               int32_t nslots, std::vector<int64_t> offsets, std::vector<int64_t> sizes) {
+  Install(edge, Edge{true, arrived, taken, base, stride, nslots, std::move(offsets),
+                     std::move(sizes)});
+}
+
+void Install(int64_t edge, Edge e) {
   if (edge < 0 || edge >= kMaxEdges) throw std::invalid_argument("edge out of range");
-  if (nslots < 1 || offsets.size() != sizes.size() || arrived % 4 || taken % 4)
+  if (e.nslots < 1 || e.offsets.size() != e.sizes.size() || e.arrived % 4 || e.taken % 4)
     throw std::invalid_argument("bad edge binding");
-  for (size_t i = 0; i < offsets.size(); ++i)
-    if (offsets[i] < 0 || sizes[i] < 0 || offsets[i] + sizes[i] > stride)
+  for (size_t i = 0; i < e.offsets.size(); ++i)
+    if (e.offsets[i] < 0 || e.sizes[i] < 0 || e.offsets[i] + e.sizes[i] > e.stride)
       throw std::invalid_argument("a departure does not fit its slot");
   std::lock_guard<std::mutex> lock(g_mu);
-  g_edges[edge] = Edge{true, arrived, taken, base, stride, nslots, std::move(offsets),
-                       std::move(sizes), nullptr, -1};
+  g_edges[edge] = std::move(e);
 }
 
 void UnbindEdge(int64_t edge) {

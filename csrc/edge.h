@@ -49,6 +49,8 @@ double HoldTimeout();
 // Bindings, from Python (module.cc): addresses of this process's view of the edge's memory.
 void BindEdge(int64_t edge, uint64_t arrived, uint64_t taken, uint64_t base, int64_t stride,
               int32_t nslots, std::vector<int64_t> offsets, std::vector<int64_t> sizes);
+// Validates `e` and makes it edge `edge`'s binding, whole (BindEdge's and NcclBindEdge's end).
+void Install(int64_t edge, Edge e);
 void UnbindEdge(int64_t edge);
 // NCCL (nccl.cc, CUDA builds): the library loaded from `path`, a unique id, and an edge bound to a
 // two-rank communicator (this process `rank`, the other 1 - rank); blocks until both have joined.

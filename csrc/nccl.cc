@@ -83,11 +83,9 @@ void NcclBindEdge(int64_t edge, uint64_t arrived, uint64_t taken, const std::str
   std::vector<int64_t> offsets(sizes.size(), 0);
   int64_t widest = 0;
   for (int64_t b : sizes) widest = b > widest ? b : widest;
-  BindEdge(edge, arrived, taken, 0, widest, 1, offsets, sizes);
-  std::string err;
-  Edge* e = FindEdge(edge, &err);
-  e->comm = comm;
-  e->peer = 1 - rank;
+  // comm and peer go in with the rest: no op ever sees this edge without its communicator
+  Install(edge, Edge{true, arrived, taken, 0, widest, 1, std::move(offsets), std::move(sizes),
+                     comm, 1 - rank});
 }
 
 std::string NcclMove(const Edge& e, bool send, void* buf, uint64_t bytes, void* stream) {

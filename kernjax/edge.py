@@ -220,9 +220,12 @@ def load_nccl():
 
 
 def receiving(slots: Sequence[Slot], edge: int, kind: str, nslots: int):
-    """The downstream side of edge `edge` for transport `kind` (shm, ipc, nccl): its memory made
-    and bound, and the fields its Hello carries so the upstream can open it (`sending`). An NCCL
-    edge binds in the background: `ready` before running items."""
+    """The downstream side of edge `edge` for transport `kind`: its memory made and bound (None for
+    `host`, whose activations go over the stage links), and the fields its Hello carries so the
+    upstream can open it (`sending`). An NCCL edge binds in the background: `ready` before
+    running items."""
+    if kind == "host":
+        return None, {"transport": kind}
     if kind == "nccl":
         e = NcclEdge(Layout.of(slots, 1), rank=1)
         e.bind_in_background(edge)
@@ -236,8 +239,11 @@ def receiving(slots: Sequence[Slot], edge: int, kind: str, nslots: int):
 
 
 def sending(slots: Sequence[Slot], edge: int, fields: dict):
-    """The upstream side of edge `edge`, opened from the downstream's Hello `fields` and bound."""
-    kind = fields.get("transport")
+    """The upstream side of edge `edge`, opened from the downstream's Hello `fields` and bound;
+    None where the downstream takes its arrivals over the stage link (`host`)."""
+    kind = fields.get("transport", "host")
+    if kind == "host":
+        return None
     ok = {"nccl": isinstance(fields.get("nccl"), str),
           "shm": isinstance(fields.get("edge"), str) and type(fields.get("slots")) is int}
     ok["ipc"] = ok["shm"] and isinstance(fields.get("ipc"), str)

@@ -193,9 +193,7 @@ class Head:
                        limit=self.max_frame)
         conn.send("HELLO", {"stage": 0, "stages": self.stages, "cut": self.art.cut_id})
         self.next = HostTransport(conn, self.art.departures)
-        fields = hellos[1][1]
-        self.edge = None if fields.get("transport", "host") == "host" else \
-            edge.sending(self.art.departures, 0, fields)
+        self.edge = edge.sending(self.art.departures, 0, hellos[1][1])
         self._done: deque = deque()
         return pages
 

@@ -77,8 +77,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         return None
 
     try:
-        in_edge, via = (None, {"transport": "host"}) if transport == "host" else \
-            edge.receiving(art.arrivals, art.index - 1, transport, edge_slots)
+        in_edge, via = edge.receiving(art.arrivals, art.index - 1, transport, edge_slots)
         out_edge = None
         server = socket.create_server((host, 0))
         hconn = connect(head, "the head", startup_timeout, limit=max_frame, say=say)
@@ -107,8 +106,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                            limit=max_frame)
             conn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id})
             nxt = HostTransport(conn, art.departures)
-            if table["next"].get("transport", "host") != "host":
-                out_edge = edge.sending(art.departures, art.index, table["next"])
+            out_edge = edge.sending(art.departures, art.index, table["next"])
         if not handshakes(server, take, done=lambda: bool(got), deadline=time.time() + 60,
                           log=say, limit=max_frame):
             die(f"stage {s - 1} did not connect within 60 s")

@@ -56,7 +56,3 @@ class HostTransport:
         if got != want:
             raise ProtocolError(f"{self.conn.name} sent arrivals {got}; this stage takes {want}")
         return list(arrays.values()), header
-
-
-
-TRANSPORTS = ("host", "shm", "ipc", "nccl")  # the memory of each: kernjax/edge.py (`receiving`)
