@@ -85,16 +85,17 @@ for step in "$@"; do
   overlap)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     log "experiment: the Hopper kernel with intra-warpgroup overlap (models/attention_hopper.py)"
-    KERNJAX_TRY_OVERLAP=1 timeout 240 python -m pytest -q tests/test_attention_pallas.py \
-      -k "gpu and (overlap or hopper)" > "$OUT/logs/overlap-tests.log" 2>&1
-    echo "tests: exit $?" | say
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/overlap-tests.log" | tail -12 | say
+    # timings first: they say in a minute whether the correctness run is worth its four
     for run in "hopper,hopper-overlap-turns" "hopper-overlap-turns --config 64,64,3"; do
       timeout 120 python experiments/attention.py --kernel $run \
         --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/overlap-${run%% *}.log" 2>&1
       echo "attention.py --kernel $run: exit $?" | say
       grep -E "^\| +[0-9]" "$OUT/logs/overlap-${run%% *}.log" | say
-    done ;;
+    done
+    KERNJAX_TRY_OVERLAP=1 timeout ${TEST_SECONDS:-240} python -m pytest -q tests/test_attention_pallas.py \
+      -k "gpu and (overlap or hopper)" > "$OUT/logs/overlap-tests.log" 2>&1
+    echo "tests: exit $?" | say
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/overlap-tests.log" | tail -12 | say ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \
