@@ -159,25 +159,32 @@ for step in "$@"; do
         [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
       log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
-      load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
-      load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
-      load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
-      slot1=()  # ONE_SLOT=1: what a second slot per edge buys (slot_gain); nccl has no slots
+      runs=()  # RUNS="ttft": that run alone
+      case " ${RUNS:-ttft throughput unpacked} " in *" throughput "*)
+        load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+        runs+=(--run "throughput=$OUT/logs/serve2-$t") ;; esac
+      case " ${RUNS:-ttft throughput unpacked} " in *" unpacked "*)
+        load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+        runs+=(--run "unpacked=$OUT/logs/serve2-$t-seqs1") ;; esac
+      case " ${RUNS:-ttft throughput unpacked} " in *" ttft "*)
+        load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
+        runs+=(--run "ttft=$OUT/logs/ttft-$t") ;; esac
+      # ONE_SLOT=1: what a second slot per edge buys (slot_gain); nccl has no slots
       if [ -n "${ONE_SLOT:-}" ] && [ "$t" != nccl ]; then
         load "serve2-$t-slot1" --seqs 16 --prompt_len 4500,9500 --concurrency 16 --requests 32 \
           --edge_slots 1
-        slot1=(--run "one_slot=$OUT/logs/serve2-$t-slot1")
+        runs+=(--run "one_slot=$OUT/logs/serve2-$t-slot1")
       fi
-      python experiments/serve_summary.py --run "throughput=$OUT/logs/serve2-$t" \
-        --run "unpacked=$OUT/logs/serve2-$t-seqs1" --run "ttft=$OUT/logs/ttft-$t" "${slot1[@]}" \
+      python experiments/serve_summary.py "${runs[@]}" \
         --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
         --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
     done ;;
   transfer)
     for t in ${TRANSPORTS:-ipc nccl shm}; do
       log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
-      python experiments/transfer.py --transport "$t" --gpus 0,1 --items 500 \
-        --out "$OUT/logs/transfer-$t.json" > "$OUT/logs/transfer-$t.log" 2>&1
+      timeout "${TRANSFER_SECONDS:-120}" python experiments/transfer.py --transport "$t" \
+        --gpus 0,1 --items 500 --out "$OUT/logs/transfer-$t.json" > "$OUT/logs/transfer-$t.log" 2>&1
+      echo "transfer $t: exit $?" | say
       tail -12 "$OUT/logs/transfer-$t.log" | say
     done ;;
   calls)
