@@ -159,6 +159,11 @@ for step in "$@"; do
         [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
       log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
+      # which GPU each process holds and how busy each GPU is, every half second
+      nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader \
+        -lms 500 > "$OUT/logs/smi-gpus-$t.csv" 2>&1 & smi=$!
+      nvidia-smi --query-compute-apps=timestamp,pid,gpu_bus_id,used_memory --format=csv,noheader \
+        -l 2 > "$OUT/logs/smi-apps-$t.csv" 2>&1 & apps=$!
       runs=()  # RUNS="ttft": that run alone
       case " ${RUNS:-ttft throughput unpacked} " in *" throughput "*)
         load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
@@ -178,6 +183,11 @@ for step in "$@"; do
       python experiments/serve_summary.py "${runs[@]}" \
         --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
         --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
+      kill $smi $apps 2>/dev/null
+      echo "GPU utilization (%) while serving, by GPU: $(awk -F', ' '$3+0 > 0 {n[$2]++; u[$2]+=$3}
+        END {for (g in n) printf "GPU %s mean %.0f over %d busy samples; ", g, u[g]/n[g], n[g]}' \
+        "$OUT/logs/smi-gpus-$t.csv")" | say
+      echo "processes by GPU bus: $(cut -d, -f3 "$OUT/logs/smi-apps-$t.csv" | sort | uniq -c | xargs)" | say
     done ;;
   transfer)
     for t in ${TRANSPORTS:-ipc nccl shm}; do
