@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -142,9 +143,11 @@ def main(argv=None) -> int:
     rows, notes = rows_of(runs)
     rows += transfer_rows(a.transfer, item_period_ms(dirs["throughput"])
                           if "throughput" in dirs else None)
+    # the device copy's git may name an older commit than its tree: gpu_gate.sh passes the tree's
+    commit = os.environ.get("KERNJAX_COMMIT", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                          capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
     res = {"gpu": a.gpu, "date": datetime.date.today().isoformat(), "commit": commit,

@@ -1,0 +1,82 @@
+"""What one item costs a served program, against the size of its states.
+
+A served cut is made for many sequences (`--seqs`, `--context`), so its KV states are large
+(qwen3-4b, 16 sequences of 16k tokens: 36 GiB). The work of an item should follow its rows and
+the context its sequences have, never the size of the pool. This script cuts the model at each
+`--configs` entry (SEQS:CONTEXT), opens its whole program as the server does
+(`kernjax.runner.open_stage`), and times an empty item (every row padding) and a full item of one
+sequence, run after run; and it counts the copies of a state-sized buffer in the compiled module
+(a copy of a state per item is a pool-sized cost).
+
+    python experiments/peritem.py --model qwen3-tiny --configs 1:256,16:2048,16:8192
+    python experiments/peritem.py --model qwen3-4b --configs 1:8192,16:16384   (GPU)
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernjax import runner as R  # noqa: E402
+from kernjax.item import Piece, make_item  # noqa: E402
+
+flags.DEFINE_string("model", "qwen3-tiny", "a named model, random weights")
+flags.DEFINE_string("configs", "1:256,16:2048", "comma-separated SEQS:CONTEXT program shapes")
+flags.DEFINE_integer("chunk", 512, "rows per item")
+flags.DEFINE_integer("iters", 10, "timed runs per case")
+FLAGS = flags.FLAGS
+
+
+def state_copies(hlo: str, shapes: set[str]) -> int:
+    """Copy instructions whose operand or result has the shape of a state."""
+    n = 0
+    for line in hlo.splitlines():
+        if re.search(r"= \S+ copy(-start)?\(", line):
+            m = re.search(r"= (\w+\[[\d,]*\])", line)
+            if m and m.group(1).split("[")[1].rstrip("]") in shapes:
+                n += 1
+    return n
+
+
+def main(_):
+    print(f"{FLAGS.model}, chunk {FLAGS.chunk}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print("| seqs | context | states MiB | state copies | empty item ms | full item ms |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for cfg in FLAGS.configs.split(","):
+        seqs, context = (int(x) for x in cfg.split(":"))
+        with tempfile.TemporaryDirectory() as d:
+            subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", FLAGS.model, "--at",
+                            "1", "--chunk", str(FLAGS.chunk), "--seqs", str(seqs), "--context",
+                            str(context), "--out", d], check=True, capture_output=True)
+            r = R.open_stage(Path(d) / "whole")
+            states = [s for s in r.art.inputs if s.role == "state"]
+            shapes = {",".join(map(str, s.shape)) for s in states}
+            shape = r.art.item
+            pages = tuple(range(1, 1 + -(-FLAGS.chunk // shape.page)))
+            full = make_item([Piece(np.arange(FLAGS.chunk, dtype=np.int32) % 1000, 0, pages)],
+                             shape)
+            times = {}
+            for name, item in (("empty", make_item([], shape)), ("full", full)):
+                jax.block_until_ready(r.run(item))
+                ts = []
+                for _ in range(FLAGS.iters):
+                    t = time.perf_counter()
+                    jax.block_until_ready(r.run(item))
+                    ts.append(time.perf_counter() - t)
+                times[name] = 1e3 * float(np.median(ts))
+            mib = sum(s.nbytes for s in states) / 2 ** 20
+            print(f"| {seqs} | {context} | {mib:.0f} | {state_copies(r.fn.as_text(), shapes)} | "
+                  f"{times['empty']:.2f} | {times['full']:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
