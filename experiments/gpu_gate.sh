@@ -153,9 +153,10 @@ for step in "$@"; do
         # each run under its own limit: a hung pipeline must leave the other runs their time
         timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
           --chunk 512 --context 16384 --gpus 0,1 --transport "$t" --warmup 4 \
-          --out "$OUT/logs/$name" "$@" > "$OUT/logs/$name.log" 2>&1
+          --out "$OUT/logs/$name" ${TRACE:+--trace "$TRACE"} "$@" > "$OUT/logs/$name.log" 2>&1
         local rc=$?
-        grep -E "^\||mismatch|failed requests" "$OUT/logs/$name.log" | tail -9 | say
+        grep -E "^\||mismatch|failed requests|items, kernels busy|^ +[0-9.]+ ms" "$OUT/logs/$name.log" \
+          | tail -"$([ -n "${TRACE:-}" ] && echo 40 || echo 9)" | say
         [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
       log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
@@ -193,9 +194,10 @@ for step in "$@"; do
     for t in ${TRANSPORTS:-ipc nccl shm}; do
       log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
       timeout "${TRANSFER_SECONDS:-120}" python experiments/transfer.py --transport "$t" \
-        --gpus 0,1 --items 500 --out "$OUT/logs/transfer-$t.json" > "$OUT/logs/transfer-$t.log" 2>&1
+        --gpus 0,1 --items 500 ${TRACE:+--trace} --out "$OUT/logs/transfer-$t.json" \
+        > "$OUT/logs/transfer-$t.log" 2>&1
       echo "transfer $t: exit $?" | say
-      tail -12 "$OUT/logs/transfer-$t.log" | say
+      tail -14 "$OUT/logs/transfer-$t.log" | say
     done ;;
   calls)
     log "time per call"

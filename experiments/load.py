@@ -56,9 +56,9 @@ class Server:
     """The processes of one configuration; `stop` ends them (SIGTERM, then SIGKILL)."""
 
     def __init__(self, cut: Path, logs: Path, stages: int, stage_timeout: float,
-                 gpus: list[str] | None = None, edges: tuple = ()):
+                 gpus: list[str] | None = None, edges: tuple = (), trace: str = ""):
         self.port = _port()
-        self.gpus = gpus or []
+        self.gpus, self.trace = gpus or [], trace
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[tuple[subprocess.Popen, Path]] = []
         if stages == 1:
@@ -77,6 +77,8 @@ class Server:
         env = dict(os.environ)
         if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
+        if self.trace:  # kernjax/timeline.py: a JAX profile of items FIRST.. of this process
+            env["KERNJAX_TRACE"] = f"{log.with_suffix('.trace')}:{self.trace}"
         with log.open("w") as f:
             p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", "--host", "127.0.0.1",
                                   *args], stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -210,6 +212,28 @@ def timeline(logs, png: Path, txt: Path, cwd: Path, extra=()):
     return text
 
 
+def traces(dirs, count: int, txt: Path) -> None:
+    """Each process's recorded items, kernel by kernel (experiments/gpuprofile.py): the GPU's busy
+    time against the span from the first kernel to the last, per item, and the top kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import gpuprofile
+
+    lines = []
+    for d in dirs:
+        name = f"{d.parent.name}/{d.stem}"
+        try:
+            p = gpuprofile.summarize(str(d), [])
+        except Exception as e:  # noqa: BLE001 (a benchmark reports a missing trace and goes on)
+            lines.append(f"{name}: no profile ({type(e).__name__}: {e})")
+            continue
+        lines.append(f"{name}: {count} items, kernels busy {p['busy_ms']:.2f} ms of a "
+                     f"{p['span_ms']:.2f} ms span ({p['busy_ms'] / count:.2f} busy, "
+                     f"{p['span_ms'] / count:.2f} span per item); {p['kernels']} kernels")
+        lines += [f"    {k['ms']:9.3f} ms {k['n']:6d}x  {k['kernel']}" for k in p["top_kernels"][:8]]
+    txt.write_text("\n".join(lines) + "\n")
+    print(txt.read_text(), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-tiny")
@@ -232,6 +256,9 @@ def main():
                     "and nccl on GPUs only)")
     ap.add_argument("--edge_slots", type=int, default=2,
                     help="slots per edge (every transport but host)")
+    ap.add_argument("--trace", default="", help="FIRST:COUNT: each process records a JAX profile "
+                    "of items FIRST..FIRST+COUNT-1 (KERNJAX_TRACE); its kernels are summed into "
+                    "trace.txt (busy against span, the top kernels)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
@@ -270,7 +297,8 @@ def main():
             t = time.time()
             srv = Server(tmp / "cut", logs, stages, stage_timeout=a.request_timeout,
                          gpus=[g for g in a.gpus.split(",") if g],
-                         edges=("--transport", a.transport, "--edge_slots", str(a.edge_slots)))
+                         edges=("--transport", a.transport, "--edge_slots", str(a.edge_slots)),
+                         trace=a.trace)
             servers.append(srv)
             health = asyncio.run(srv.ready(a.startup_timeout))
             print(f"{config}: ready in {time.time() - t:.1f} s ({health})", flush=True)
@@ -320,6 +348,8 @@ def main():
                         "2 stages": y} for i, (x, y) in enumerate(zip(a_, b_))
                        if x is not None and y is not None and x != y]
 
+    if a.trace:
+        traces(sorted(tmp.glob("*/*.trace")), int(a.trace.split(":")[1]), out / "trace.txt")
     two = tmp / "2stages"
     stage_logs = [two / "stage0.log", two / "stage1.log"]
     tl = timeline(stage_logs, out / "timeline.png", out / "timeline.txt", two)

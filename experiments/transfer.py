@@ -16,10 +16,12 @@ Prints one line per side and a summary; `--out FILE` writes it as JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,16 +55,27 @@ def side(rank: int, a, q_out, q_in, res) -> None:
     run = jax.jit(fn)
     item = lambda k: jnp.asarray([k], jnp.int32)  # noqa: E731
     jax.block_until_ready(run(*args, item(0)))  # compile and item 0, outside the clock
-    t = time.perf_counter()
-    out = [run(*args, item(k)) for k in range(1, a.items + 1)]
-    jax.block_until_ready(out)
-    dt = time.perf_counter() - t
+    where = tempfile.mkdtemp(prefix=f"kernjax-transfer{rank}-") if a.trace else None
+    # --trace: the kernels of each item (experiments/gpuprofile.py), summed after the run
+    with jax.profiler.trace(where) if where else contextlib.nullcontext():
+        t = time.perf_counter()
+        out = [run(*args, item(k)) for k in range(1, a.items + 1)]
+        jax.block_until_ready(out)
+        dt = time.perf_counter() - t
+    kernels = ""
+    if a.trace:
+        sys.path.insert(0, str(REPO / "experiments"))
+        import gpuprofile
+
+        p = gpuprofile.summarize(where, [])
+        kernels = "; ".join(f"{k['kernel'][:40]} {1e3 * k['ms'] / a.items:.1f} us/item"
+                            for k in p["top_kernels"][:6])
     if rank == 1:
         want = float(a.departures * (a.departures + 1) / 2)
         got = float(np.asarray(out[-1][0]))
-        res.put({"rank": 1, "s": dt, "check": got == want})
+        res.put({"rank": 1, "s": dt, "check": got == want, "kernels": kernels})
     else:
-        res.put({"rank": 0, "s": dt})
+        res.put({"rank": 0, "s": dt, "kernels": kernels})
     time.sleep(0.5)
     e.close(unlink=rank == 1)
 
@@ -79,6 +92,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--slots", type=int, default=2, help="shm/ipc: slots per edge")
     ap.add_argument("--link_gbs", type=float, default=338.0)
+    ap.add_argument("--trace", action="store_true",
+                    help="profile the timed items: each side's top kernels, per item")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     ctx = mp.get_context("spawn")
@@ -104,6 +119,8 @@ def main() -> int:
                "receiver_us_per_item": got[1]["s"] / a.items * 1e6,
                "us_per_item": per * 1e6, "link_bound_us": bound * 1e6,
                "check": got[1]["check"]}
+    if a.trace:
+        summary |= {"sender_kernels": got[0]["kernels"], "receiver_kernels": got[1]["kernels"]}
     print(json.dumps(summary, indent=1))
     if a.out:
         Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")

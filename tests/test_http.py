@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 
+import numpy as np
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
@@ -420,3 +421,42 @@ def test_client_mistakes_are_logged_in_one_line_below_error(head, ckpt, caplog):
 def test_bounds_below_one_are_refused(head):
     with pytest.raises(ValueError, match="--max_prompts 0, --body_timeout 0: give a value above 0"):
         make_app(head, name="tiny", vocab=CFG.vocab, max_prompts=0, body_timeout=0)
+
+
+class _Unread:
+    """An item's next_token that the head can read only once `go` is set."""
+
+    def __init__(self, x, go):
+        self.x, self.go = x, go
+
+    def __array__(self, dtype=None, copy=None):
+        self.go.wait(30)
+        return np.asarray(self.x, dtype)
+
+
+def test_the_head_issues_the_next_item_before_it_reads_the_tokens_of_the_last(head):
+    prompt = list(range(1, CONTEXT + 1))  # rows 32: two full items
+    want = head.submit(prompt).result(30)[0]
+    runner, go, issued = head.runner, threading.Event(), []
+
+    class Late:
+        def __getattr__(self, name):
+            return getattr(runner, name)
+
+        def run(self, item):
+            issued.append(item)
+            deps, out = runner.run(item)
+            return deps, {**out, "next_token": _Unread(out["next_token"], go)}
+
+    head.runner = Late()
+    try:
+        fut = head.submit(prompt)
+        deadline = time.time() + 10
+        while len(issued) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        unread = len(issued)  # items issued while no token had been read
+        go.set()
+        got = fut.result(30)[0]
+    finally:
+        head.runner = runner
+    assert unread == 2 and got == want, (unread, got, want)

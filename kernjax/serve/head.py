@@ -11,7 +11,8 @@ pages any stage holds, answers each with a Table {pages, next} and connects to s
 Serving: `submit` admits a prompt or refuses it at once with the limit it breaks (kern's head
 wedged on a prompt past its context bound). The scheduler thread leases pages FIFO under
 `max_seqs`, packs items with `pack()` (oldest first, partial chunks), sends each item's fills to
-every stage, runs stage 0 and sends its departures on. A full item goes at once, a partial one only
+every stage, runs stage 0 and sends its departures on; serving the whole program, it issues the
+next item while a thread (`_finish`) waits for this one's tokens. A full item goes at once, a partial one only
 while fewer items than stages are in flight (and at most `4 × stages` items are ever in flight:
 back-pressure). The last stage answers every item with its tokens; an item that finishes a prompt
 answers that request and returns its pages.
@@ -27,6 +28,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import os
+import queue
 import socket
 import sys
 import threading
@@ -95,6 +97,7 @@ class Head:
         self.queue: deque[_Request] = deque()
         self.live: list[_Request] = []        # leased, rows still to issue
         self.inflight: deque[tuple[int, list]] = deque()  # (item, [(request, finishes)])
+        self._ran: queue.Queue = queue.Queue()  # issued, for `_finish`: (item, rows, t0, tokens)
         self.failed: str | None = None
         self.joining: str | None = None       # while stages join: which are missing
         self.item = 0
@@ -141,8 +144,8 @@ class Head:
                 threading.Thread(target=self._read, args=(s, conn), name=f"stage{s}",
                                  daemon=True).start()
             threading.Thread(target=self._heartbeat, name="heartbeat", daemon=True).start()
-            if self.edge:
-                threading.Thread(target=self._watch, name="watch", daemon=True).start()
+        if self.edge or self.stages == 1:  # the scheduler issues, `_finish` waits
+            threading.Thread(target=self._finish, name="finish", daemon=True).start()
         threading.Thread(target=self._schedule, name="scheduler", daemon=True).start()
 
     # --- startup ----------------------------------------------------------------------------
@@ -194,7 +197,6 @@ class Head:
         conn.send("HELLO", {"stage": 0, "stages": self.stages, "cut": self.art.cut_id})
         self.next = HostTransport(conn, self.art.departures)
         self.edge = edge.sending(self.art.departures, 0, hellos[1][1])
-        self._done: deque = deque()
         return pages
 
     def _refuse(self, hello: dict, hellos: dict) -> str | None:
@@ -311,39 +313,42 @@ class Head:
         for s, conn in self.conns.items():
             conn.send("ITEM", {"item": k, "rows": rows}, {n: item[n] for n in self.fills[s]})
         t0 = time.time()
-        if self.edge:  # the program pushes into stage 1's slot itself; `_watch` logs it
+        if self.edge:  # the program pushes into stage 1's slot itself; `_finish` logs it
             self.runner.run_edged(item, k)
-            with self.cond:
-                self._done.append((k, rows, t0))
-                self.cond.notify_all()
-            return
+            return self._ran.put((k, rows, t0, None))
         departures, outputs = self.runner.run(item)
-        if self.stages == 1:
-            tokens = np.asarray(outputs["next_token"])
-            t1 = time.time()
-            log_item(0, k, rows, t0, t1)
-            self._answer(k, tokens, [int((t1 - t0) * 1e6)], rows)
+        if self.stages == 1:  # on to the next item while this one runs
+            self._ran.put((k, rows, t0, outputs["next_token"]))
         else:
             self.next.send(k, [np.asarray(d) for d in departures],
                            {"busy_us": [int((time.time() - t0) * 1e6)]})
             log_item(0, k, rows, t0, time.time())
 
-    def _watch(self) -> None:
-        """The shm transport: item k has left once stage 1's edge says it arrived (a load from
-        shared memory: this thread makes no driver call); logs it, fails after the timeout."""
-        while not self.failed:
-            with self.cond:
-                while not self._done and not self.failed:
-                    self.cond.wait(0.5)
-                if self.failed:
-                    return
-                k, rows, t0 = self._done.popleft()
-            if not edge.left(self.edge, k, self.edge_timeout, stop=lambda: bool(self.failed)):
-                if not self.failed:
-                    self.fail(f"stage 1 stopped taking items: item {k} waited "
-                              f"{self.edge_timeout:g} s for its slot (--stage_timeout)")
-                return
-            log_item(0, k, rows, t0, time.time())
+    def _finish(self) -> None:
+        """Waits for each issued item in order, off the scheduler's thread: on an edge, for item
+        k to leave (stage 1's edge says it arrived: a load from shared memory, no driver call;
+        fails after the timeout); serving the whole program, for its tokens, and answers (an
+        item is busy from its issue or the end of the item before, whichever is later)."""
+        last = 0.0
+        try:
+            while not self.failed:
+                try:
+                    k, rows, t0, tokens = self._ran.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if self.edge and not edge.left(self.edge, k, self.edge_timeout,
+                                               stop=lambda: bool(self.failed)):
+                    return self.failed or self.fail(
+                        f"stage 1 stopped taking items: item {k} waited {self.edge_timeout:g} s "
+                        "for its slot (--stage_timeout)")
+                tokens = None if self.edge else np.asarray(tokens)
+                t1 = time.time()
+                log_item(0, k, rows, t0, t1)
+                if tokens is not None:
+                    self._answer(k, tokens, [int((t1 - max(t0, last)) * 1e6)], rows)
+                last = t1
+        except Exception as e:  # noqa: BLE001 (a failed item ends the head, with a reason)
+            self.fail(f"the program failed: {type(e).__name__}: {e}")
 
     def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:
         now = time.time()

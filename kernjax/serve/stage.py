@@ -170,9 +170,10 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
 
 def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
                  timeout: float) -> None:
-    """The item loop of the `shm` transport: issue item k at once (the program holds on the
-    device until its arrivals are in); the last stage sends the tokens, the others' watcher sees
-    item k leave in the edge's `arrived` word (a load from shared memory, no driver call)."""
+    """The item loop of the edge transports: issue item k at once (the program holds on the
+    device until its arrivals are in) and go on to k+1; a thread of the last stage waits for
+    item k's tokens and sends them, the others' watcher sees item k leave in the edge's
+    `arrived` word (a load from shared memory, no driver call)."""
     art = runner.art
     s, last = art.index, art.index == art.stages - 1
 
@@ -186,28 +187,29 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
     threading.Thread(target=watch_prev, name="prev", daemon=True).start()
     done: queue.Queue = queue.Queue()
 
-    def watch() -> None:
-        while True:
-            k, rows, t0 = done.get()
-            if not edge.left(out_edge, k, timeout):
-                die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for its "
-                    "slot")
-            log_item(s, k, rows, t0, time.time())
+    def finish() -> None:  # item k left (the others) or its tokens went to the head (the last)
+        try:
+            while True:
+                k, rows, t0, tokens = done.get()
+                if last:
+                    hconn.send("TOKENS", {"item": k, "rows": rows, "busy_us": []},
+                               {"next_token": np.asarray(tokens)})
+                elif not edge.left(out_edge, k, timeout):
+                    die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for "
+                        "its slot")
+                log_item(s, k, rows, t0, time.time())
+        except (Closed, ProtocolError) as e:
+            die(str(e))
+        except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)
+            die(f"{type(e).__name__}: {e}")
 
-    if not last:
-        threading.Thread(target=watch, name="watch", daemon=True).start()
+    threading.Thread(target=finish, name="finish", daemon=True).start()
     try:
-        while True:
+        while True:  # issue only: the host never waits here for the device
             header, fills = items.get()
             k, t0 = header["item"], time.time()
             outputs, _ = runner.run_edged(fills, k)
-            if last:
-                tokens = np.asarray(outputs["next_token"])
-                hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": []},
-                           {"next_token": tokens})
-                log_item(s, k, header["rows"], t0, time.time())
-            else:
-                done.put((k, header["rows"], t0))
+            done.put((k, header["rows"], t0, outputs.get("next_token")))
     except (Closed, ProtocolError) as e:
         die(str(e))
     except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)
