@@ -35,14 +35,18 @@
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
-# They passed at `d91317b`; rerun them after any change to models/, kernjax/ or csrc/ (`480ee2f`
-# added the experimental turns=True to models/attention_hopper.py: the default kernel's ops and
-# the cut ids are the same, its Mosaic module's source lines are not). Next session: `overlap`
-# first, in a call of its own (~370 s): if overlap=True, turns=True is right and faster than the
-# default, make it the default and run the gates and the table again; then issue 8 below.
-# On nvidia-h200-x2 (issue 8): TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests
-# transfer, then TRANSPORTS=ipc ONE_SLOT=1 gpu_gate.sh serve2 (and nccl, shm, host: a call each); then, here,
-# serve_summary.py --run ... --transfer transfer-ipc.json adds each transfer's share of the period.
+# They passed at `d91317b` and again at `4273ad2` (GPU 0 of nvidia-h200-x2); rerun them after any
+# change to models/, kernjax/ or csrc/. The overlap-with-turns experiment ran at `4273ad2`: right
+# and 35-40 % slower, so the default stays.
+# Issue 8 on nvidia-h200-x2: the first runs (`b5b74bb`, experiments/results/2026-11-30-h200x2-serve/)
+# were right and no faster than one GPU. Next session, in this order, a call each:
+#   TRACE=100:20 RUNS=ttft TRANSPORTS=ipc LOAD_SECONDS=200 gpu_gate.sh serve2   (~150 s: each
+#       serving process profiled over items 100-119: GPU busy against span, top kernels, host)
+#   TRACE=1 TRANSPORTS="ipc nccl" gpu_gate.sh transfer                        (~60 s)
+# then, with a fix: RUNS="ttft throughput unpacked" ONE_SLOT=1 TRANSPORTS=ipc gpu_gate.sh serve2,
+# TRANSPORTS=nccl (and shm, host) a call each, TESTS="tests/test_edge.py tests/test_serve.py"
+# gpu_gate.sh tests, gpu_gate.sh calls (--at auto); here, serve_summary.py --run ... --transfer
+# transfer-ipc.json adds each transfer's share of the period.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.

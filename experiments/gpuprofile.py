@@ -70,6 +70,29 @@ def kernels(trace_dir: str) -> list[dict]:
     return out
 
 
+def host_events(trace_dir: str, top: int = 12) -> list[dict]:
+    """The host's busiest events in the newest xplane under `trace_dir`, by total time: Python
+    functions (`$file:line name`, with the Python tracer on) and PjRt's own (dispatch, waits),
+    per thread line. Nested events each count, so a caller includes its callees."""
+    from jax._src.lib import _profile_data
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    data = _profile_data.ProfileData.from_file(files[-1])
+    tot: dict = collections.defaultdict(lambda: [0, 0])
+    for plane in data.planes:
+        if not plane.name.startswith("/host:CPU"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if "profiler.py" in e.name or "contextlib.py" in e.name:
+                    continue
+                t = tot[(line.name[:24], e.name[:90])]
+                t[0] += e.duration_ns
+                t[1] += 1
+    return [{"thread": k[0], "event": k[1], "ms": v[0] / 1e6, "n": v[1]}
+            for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]
+
+
 def call_of_ops(hlo_texts, names=()) -> tuple[dict, list]:
     """`(ops, order)`: HLO instruction name -> (its kernjax call or `-`, whether it sits in the
     entry computation); and per module, its entry's instructions in schedule order as

@@ -230,6 +230,8 @@ def traces(dirs, count: int, txt: Path) -> None:
                      f"{p['span_ms']:.2f} ms span ({p['busy_ms'] / count:.2f} busy, "
                      f"{p['span_ms'] / count:.2f} span per item); {p['kernels']} kernels")
         lines += [f"    {k['ms']:9.3f} ms {k['n']:6d}x  {k['kernel']}" for k in p["top_kernels"][:8]]
+        lines += [f"    host {h['ms']:9.3f} ms {h['n']:6d}x  [{h['thread']}] {h['event']}"
+                  for h in gpuprofile.host_events(str(d))]
     txt.write_text("\n".join(lines) + "\n")
     print(txt.read_text(), flush=True)
 
