@@ -19,6 +19,8 @@
 #              at a time; experiments/serve_summary.py makes issue 8's results.json of them
 #   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
+#   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
+#              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
@@ -37,7 +39,8 @@
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # They passed at `d91317b` and again at `4273ad2` (GPU 0 of nvidia-h200-x2); rerun them after any
 # change to models/, kernjax/ or csrc/. The overlap-with-turns experiment ran at `4273ad2`: right
-# and 35-40 % slower, so the default stays.
+# and 35-40 % slower, so the default stays. For 65 %, `gemms` (~60 s) says first what merged
+# GEMMs would buy (the weights concatenated at load, silu·mul in the down product's call).
 # Issue 8 on nvidia-h200-x2: the first runs (`b5b74bb`, experiments/results/2026-11-30-h200x2-serve/)
 # were right and no faster than one GPU. Next session, in this order, a call each:
 #   TRACE=100:20 RUNS=ttft TRANSPORTS=ipc LOAD_SECONDS=200 gpu_gate.sh serve2   (~150 s: each
@@ -203,6 +206,10 @@ for step in "$@"; do
       echo "transfer $t: exit $?" | say
       tail -14 "$OUT/logs/transfer-$t.log" | say
     done ;;
+  gemms)
+    log "a layer's GEMMs, separate and merged"
+    python experiments/gemms.py --rows 512,2048,8192 > "$OUT/logs/gemms.log" 2>&1
+    grep -E "^\|" "$OUT/logs/gemms.log" | say ;;
   calls)
     log "time per call"
     for r in 512 2048; do
