@@ -149,12 +149,44 @@ def test_transfer_benchmark_moves_items_between_two_processes(tmp_path):
     receiver's check) and the per-item times are written."""
     out = tmp_path / "t.json"
     r = subprocess.run([sys.executable, str(REPO / "experiments" / "transfer.py"), "--transport",
-                        "shm", "--items", "20", "--shape", "16,16", "--out", str(out)],
+                        "shm", "--items", "20", "--shape", "16,16", "--trace", "--out", str(out)],
                        capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = json.loads(out.read_text())
     assert got["check"] and got["bytes_per_item"] == 2 * 16 * 16 * 2 and got["us_per_item"] > 0
+    # --trace: each side's kernels, per item (on the CPU, XLA's thunks)
+    assert "us/item" in got["sender_kernels"] and "us/item" in got["receiver_kernels"], got
+
+
+def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_path):
+    """experiments/load.py --trace FIRST:COUNT: every process (whole, stage 0, stage 1) records
+    its items FIRST.. and trace.txt sums each one's kernels and host events."""
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "load.py"), "--model",
+                        "qwen3-tiny", "--chunk", "64", "--context", "512", "--concurrency", "1",
+                        "--prompt_len", "300,300", "--requests", "2", "--warmup", "2",
+                        "--transport", "shm", "--trace", "6:3", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    text = (tmp_path / "trace.txt").read_text()
+    for proc in ("2stages/stage0", "2stages/stage1", "whole/whole"):
+        line = next((x for x in text.splitlines() if x.startswith(proc + ":")), "")
+        assert "3 items, kernels busy" in line, text
+    assert text.count("    host ") >= 3, text
+
+
+def test_peritem_and_gemms_run_on_the_cpu():
+    """experiments/peritem.py and gemms.py print a row per case, before they cost a device call."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    for args, rows, ms in ((["peritem.py", "--configs", "1:256,2:256", "--chunk", "32",
+                             "--iters", "1"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
+                                                       6, -3)):
+        r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
+                           capture_output=True, text=True, timeout=600, env=env)
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+        got = [x for x in r.stdout.splitlines() if x.startswith("| ") and x[2].isdigit()]
+        assert len(got) == rows and all(float(x.split("|")[ms]) > 0 for x in got), r.stdout
 
 
 def _instr(name, what, call):
