@@ -37,9 +37,10 @@ def fenced(f):
 
 
 def cases():
-    qkv3 = lambda x, wq, wk, wv: [fenced(lambda x, w: x @ w)(x, w) for w in (wq, wk, wv)]  # noqa: E731
-    qkv1 = lambda x, w: fenced(lambda x, w: x @ w)(x, w)  # noqa: E731
-    gu2 = lambda x, wg, wu: [fenced(lambda x, w: x @ w)(x, w) for w in (wg, wu)]  # noqa: E731
+    dot = fenced(lambda x, w: x @ w)
+    qkv3 = lambda x, wq, wk, wv: [dot(x, w) for w in (wq, wk, wv)]  # noqa: E731
+    qkv1 = dot
+    gu2 = lambda x, wg, wu: [dot(x, w) for w in (wg, wu)]  # noqa: E731
     sm = fenced(lambda g, u: jax.nn.silu(g) * u)
     down = fenced(lambda h, w: h @ w)
     sd2 = lambda g, u, w: down(sm(g, u), w)  # noqa: E731

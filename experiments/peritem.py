@@ -48,7 +48,8 @@ def state_copies(hlo: str, shapes: set[str]) -> int:
 
 
 def main(_):
-    print(f"{FLAGS.model}, chunk {FLAGS.chunk}, {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    print(f"{FLAGS.model}, chunk {FLAGS.chunk}, {jax.devices()[0].device_kind}, "
+          f"jax {jax.__version__}")
     print("| seqs | context | states MiB | state copies | empty item ms | full item ms |")
     print("|---:|---:|---:|---:|---:|---:|")
     for cfg in FLAGS.configs.split(","):

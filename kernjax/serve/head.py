@@ -11,11 +11,11 @@ pages any stage holds, answers each with a Table {pages, next} and connects to s
 Serving: `submit` admits a prompt or refuses it at once with the limit it breaks (kern's head
 wedged on a prompt past its context bound). The scheduler thread leases pages FIFO under
 `max_seqs`, packs items with `pack()` (oldest first, partial chunks), sends each item's fills to
-every stage, runs stage 0 and sends its departures on; serving the whole program, it issues the
-next item while a thread (`_finish`) waits for this one's tokens. A full item goes at once, a partial one only
-while fewer items than stages are in flight (and at most `4 × stages` items are ever in flight:
-back-pressure). The last stage answers every item with its tokens; an item that finishes a prompt
-answers that request and returns its pages.
+every stage, runs stage 0 and sends its departures on; on an edge, or serving the whole program,
+it issues the next item while a thread (`_finish`) waits for this one. A full item goes at once, a
+partial one only while fewer items than stages are in flight (and at most `4 × stages` items are
+ever in flight: back-pressure). The last stage answers every item with its tokens; an item that
+finishes a prompt answers that request and returns its pages.
 
 Faults: a stage whose connection closes, that sends an ERROR, or that answers no ping for
 `stage_timeout` seconds ends the head: every request in flight or queued is answered with a 503
@@ -338,9 +338,10 @@ class Head:
                     continue
                 if self.edge and not edge.left(self.edge, k, self.edge_timeout,
                                                stop=lambda: bool(self.failed)):
-                    return self.failed or self.fail(
-                        f"stage 1 stopped taking items: item {k} waited {self.edge_timeout:g} s "
-                        "for its slot (--stage_timeout)")
+                    if not self.failed:
+                        self.fail(f"stage 1 stopped taking items: item {k} waited "
+                                  f"{self.edge_timeout:g} s for its slot (--stage_timeout)")
+                    return
                 tokens = None if self.edge else np.asarray(tokens)
                 t1 = time.time()
                 log_item(0, k, rows, t0, t1)
