@@ -21,6 +21,8 @@
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them
+#   peritem    experiments/peritem.py --stages: qwen3-4b's whole program timed per item at 16 x 16k
+#              and 1 x 8k, and the state copies in every program, the stages' edged ones too
 #   ipcbw      (nvidia-h200-x2) experiments/ipc_bandwidth.py: GB/s of one process writing into the
 #              other GPU's memory through CUDA IPC, each seeing one GPU against both seeing both
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
@@ -47,7 +49,7 @@
 # were right and no faster than one GPU. Next session, in this order, a call each:
 #   TRACE=100:20 RUNS=ttft TRANSPORTS=ipc LOAD_SECONDS=200 gpu_gate.sh serve2   (~150 s: each
 #       serving process profiled over items 100-119: GPU busy against span, top kernels, host)
-#   TRACE=1 TRANSPORTS="ipc nccl" gpu_gate.sh transfer ipcbw                  (~80 s)
+#   TRACE=1 TRANSPORTS="ipc nccl" gpu_gate.sh transfer ipcbw peritem          (~200 s)
 # then, with a fix: RUNS="ttft throughput unpacked" ONE_SLOT=1 TRANSPORTS=ipc gpu_gate.sh serve2,
 # TRANSPORTS=nccl (and shm, host) a call each, TESTS="tests/test_edge.py tests/test_serve.py"
 # gpu_gate.sh tests, gpu_gate.sh calls (--at auto); here, serve_summary.py --run ... --transfer
@@ -212,6 +214,12 @@ for step in "$@"; do
     log "a layer's GEMMs, separate and merged"
     python experiments/gemms.py --rows 512,2048,8192 > "$OUT/logs/gemms.log" 2>&1
     grep -E "^\|" "$OUT/logs/gemms.log" | say ;;
+  peritem)
+    log "an item's cost against the pool, and the state copies of every program"
+    timeout 300 python experiments/peritem.py --model qwen3-4b --configs 16:16384,1:8192 \
+      --iters 5 --stages > "$OUT/logs/peritem.log" 2>&1
+    echo "peritem.py: exit $?" | say
+    grep -E "^\||state copies" "$OUT/logs/peritem.log" | say ;;
   ipcbw)
     log "CUDA IPC write bandwidth, GPU 0 into GPU 1, one GPU visible per process against both"
     timeout 120 python experiments/ipc_bandwidth.py --gpus 0,1 > "$OUT/logs/ipcbw.log" 2>&1

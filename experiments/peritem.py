@@ -6,7 +6,7 @@ the context its sequences have, never the size of the pool. This script cuts the
 `--configs` entry (SEQS:CONTEXT), opens its whole program as the server does
 (`kernjax.runner.open_stage`), and times an empty item (every row padding) and a full item of one
 sequence, run after run; and it counts the copies of a state-sized buffer in the compiled module
-(a copy of a state per item is a pool-sized cost).
+(a copy of a state per item is a pool-sized cost), with `--stages` in the stages' programs too.
 
     python experiments/peritem.py --model qwen3-tiny --configs 1:256,16:2048,16:8192
     python experiments/peritem.py --model qwen3-4b --configs 1:8192,16:16384   (GPU)
@@ -26,13 +26,15 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernjax import runner as R  # noqa: E402
+from kernjax import ffi, runner as R  # noqa: E402
 from kernjax.item import Piece, make_item  # noqa: E402
 
 flags.DEFINE_string("model", "qwen3-tiny", "a named model, random weights")
 flags.DEFINE_string("configs", "1:256,16:2048", "comma-separated SEQS:CONTEXT program shapes")
 flags.DEFINE_integer("chunk", 512, "rows per item")
 flags.DEFINE_integer("iters", 10, "timed runs per case")
+flags.DEFINE_bool("stages", False, "also count the state copies in the stages' programs, plain "
+                  "and with edge ops (a copied state is a pool-sized cost per item)")
 FLAGS = flags.FLAGS
 
 
@@ -77,6 +79,14 @@ def main(_):
             mib = sum(s.nbytes for s in states) / 2 ** 20
             print(f"| {seqs} | {context} | {mib:.0f} | {state_copies(r.fn.as_text(), shapes)} | "
                   f"{times['empty']:.2f} | {times['full']:.2f} |", flush=True)
+            if FLAGS.stages:  # the stages' programs, plain and with edge ops: compiled, not run
+                ffi.register()
+                for st in ("stage0", "stage1"):
+                    s_ = R.open_stage(Path(d) / st)
+                    s_.compile_edged()
+                    print(f"  {st}: state copies {state_copies(s_.fn.as_text(), shapes)} plain, "
+                          f"{state_copies(s_.edged.as_text(), shapes)} with edge ops", flush=True)
+                    del s_
 
 
 if __name__ == "__main__":

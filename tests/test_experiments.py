@@ -180,13 +180,15 @@ def test_peritem_and_gemms_run_on_the_cpu():
     """experiments/peritem.py and gemms.py print a row per case, before they cost a device call."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for args, rows, ms in ((["peritem.py", "--configs", "1:256,2:256", "--chunk", "32",
-                             "--iters", "1"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
+                             "--iters", "1", "--stages"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
                                                        6, -3)):
         r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         got = [x for x in r.stdout.splitlines() if x.startswith("| ") and x[2].isdigit()]
         assert len(got) == rows and all(float(x.split("|")[ms]) > 0 for x in got), r.stdout
+        if "--stages" in args:
+            assert r.stdout.count("with edge ops") == 2 * rows, r.stdout
 
 
 def _instr(name, what, call):
