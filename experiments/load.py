@@ -77,11 +77,14 @@ class Server:
         env = dict(os.environ)
         if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
-        if self.trace:  # kernjax/timeline.py: a JAX profile of items FIRST.. of this process
+        if self.trace:  # experiments/traced.py: a JAX profile of items FIRST.. of this process
             env["KERNJAX_TRACE"] = f"{log.with_suffix('.trace')}:{self.trace}"
+        # --trace: experiments/traced.py is kernjax.serve recording a profile of the items named
+        serve = [str(Path(__file__).resolve().parent / "traced.py")] if self.trace else \
+            ["-m", "kernjax.serve"]
         with log.open("w") as f:
-            p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", "--host", "127.0.0.1",
-                                  *args], stdout=f, stderr=subprocess.STDOUT, env=env)
+            p = subprocess.Popen([sys.executable, *serve, "--host", "127.0.0.1", *args],
+                                 stdout=f, stderr=subprocess.STDOUT, env=env)
         self.procs.append((p, log))
 
     def dead(self) -> list[str]:
@@ -259,8 +262,8 @@ def main():
     ap.add_argument("--edge_slots", type=int, default=2,
                     help="slots per edge (every transport but host)")
     ap.add_argument("--trace", default="", help="FIRST:COUNT: each process records a JAX profile "
-                    "of items FIRST..FIRST+COUNT-1 (KERNJAX_TRACE); its kernels are summed into "
-                    "trace.txt (busy against span, the top kernels)")
+                    "of items FIRST..FIRST+COUNT-1 (experiments/traced.py); its kernels are "
+                    "summed into trace.txt (busy against span, the top kernels)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers

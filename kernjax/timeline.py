@@ -30,17 +30,12 @@ different clocks; a skew shows up as a negative held.
 a gap and a digit (the item number mod 10) spans the item's start to its done. `png` draws the
 same chart with matplotlib. `python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K]`
 prints the report and the text gantt of the same items.
-
-For experiments, `KERNJAX_TRACE=DIR:FIRST:COUNT` in a stage's environment records a JAX profile
-of its items FIRST..FIRST+COUNT-1 into DIR (started once item FIRST-1 is logged, stopped once
-the last is): `experiments/load.py --trace` sets it and sums each stage's kernels.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-import os
 import re
 import sys
 from collections.abc import Iterable
@@ -55,14 +50,6 @@ def log_item(stage: int, item: int, rows: int, issued: float, done: float) -> No
     """The timeline line every stage writes per item (wall-clock microseconds)."""
     print(f"pp item stage={stage} item={item} rows={rows} issued_us={int(issued * 1e6)} "
           f"done_us={int(done * 1e6)}", file=sys.stderr, flush=True)
-    if os.environ.get("KERNJAX_TRACE"):
-        where, first, count = os.environ["KERNJAX_TRACE"].rsplit(":", 2)
-        import jax
-
-        if item == int(first) - 1:
-            jax.profiler.start_trace(where)
-        elif item == int(first) + int(count) - 1:
-            jax.profiler.stop_trace()
 
 
 def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:

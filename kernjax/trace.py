@@ -120,14 +120,13 @@ GPU_PLATFORMS = ("cuda", "rocm")
 def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     """A program's (or a stage's) jaxpr as a function to jit and export for `platform`.
 
-    On the CPU the jaxpr runs as it is. On a GPU every call runs as its body between two
-    `optimization_barrier`s, inlined early: the barriers keep XLA:GPU from fusing across a call
-    (what makes a cut exact there), and early inlining lets it compile the body fully.
+    On the CPU the jaxpr runs as it is, but for the state updates `_on_cpu` inlines. On a GPU
+    every call runs as its body between two `optimization_barrier`s, inlined early: the barriers
+    keep XLA:GPU from fusing across a call (what makes a cut exact there), and early inlining
+    lets it compile the body fully.
     """
-    if platform not in GPU_PLATFORMS:
-        return jex.jaxpr_as_fun(closed)
     jp = closed.jaxpr
-    fenced = [_fenced(e) for e in jp.eqns]
+    fenced = [_fenced(e) if platform in GPU_PLATFORMS else _on_cpu(e) for e in jp.eqns]
 
     def run(*args):
         env = dict(zip(jp.constvars, closed.consts)) | dict(zip(jp.invars, args))
@@ -139,6 +138,23 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
         return [read(v) for v in jp.outvars]
 
     return run
+
+
+_MOVES = {"reshape", "broadcast_in_dim", "concatenate", "convert_element_type", "scatter",
+          "select_n", "squeeze", "slice", "gather", "dynamic_slice", "dynamic_update_slice"}
+
+
+def _on_cpu(eqn: jex.JaxprEqn) -> Callable:
+    """A call on the CPU: as it is (`XLA_LATE`, its own computation); but a state's update that
+    only moves values (no float arithmetic) is inlined, so XLA updates the state in place instead
+    of copying it whole into the call: the pool's size, every item (docs/bitwise.md)."""
+    body = eqn.params["jaxpr"]
+    if states_of(eqn) and all(e.primitive.name in _MOVES or not any(
+            jax.numpy.issubdtype(v.aval.dtype, jax.numpy.inexact) for v in e.outvars)
+            for e in body.jaxpr.eqns):
+        return jex.jaxpr_as_fun(body)
+    params = eqn.primitive.get_bind_params(eqn.params)  # as jax's own eval_jaxpr binds it
+    return lambda *args: eqn.primitive.bind(*args, **params)
 
 
 def _fenced(eqn: jex.JaxprEqn) -> Callable:

@@ -177,9 +177,10 @@ def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_pa
 
 
 def test_peritem_and_gemms_run_on_the_cpu():
-    """experiments/peritem.py and gemms.py print a row per case, before they cost a device call."""
+    """experiments/peritem.py and gemms.py print a row per case, before they cost a device call;
+    on the CPU no program, whole or stage, plain or with edge ops, copies a state."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for args, rows, ms in ((["peritem.py", "--configs", "1:256,2:256", "--chunk", "32",
+    for args, rows, ms in ((["peritem.py", "--configs", "1:256,4:512", "--chunk", "32",
                              "--iters", "1", "--stages"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
                                                        6, -3)):
         r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
@@ -187,8 +188,9 @@ def test_peritem_and_gemms_run_on_the_cpu():
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         got = [x for x in r.stdout.splitlines() if x.startswith("| ") and x[2].isdigit()]
         assert len(got) == rows and all(float(x.split("|")[ms]) > 0 for x in got), r.stdout
-        if "--stages" in args:
-            assert r.stdout.count("with edge ops") == 2 * rows, r.stdout
+        if "--stages" in args:  # no program copies a state (a pool-sized cost per item)
+            assert all(x.split("|")[4].strip() == "0" for x in got), r.stdout
+            assert r.stdout.count("state copies 0 plain, 0 with edge ops") == 2 * rows, r.stdout
 
 
 def _instr(name, what, call):

@@ -158,16 +158,3 @@ def test_command_line(tmp_path):
     bad = subprocess.run(cmd[:3] + [str(tmp_path / "none.log")], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
 
-
-def test_kernjax_trace_profiles_the_items_it_names(tmp_path, monkeypatch, capsys):
-    import jax.numpy as jnp
-
-    from kernjax.timeline import log_item
-
-    monkeypatch.setenv("KERNJAX_TRACE", f"{tmp_path / 'trace'}:2:2")
-    for k in range(5):
-        if k in (2, 3):
-            (jnp.ones(8) * k).block_until_ready()
-        log_item(0, k, 8, 1.0, 2.0)
-    assert len(list((tmp_path / "trace").rglob("*.xplane.pb"))) == 1
-    assert len(parse(capsys.readouterr().err.splitlines())[0]) == 5
