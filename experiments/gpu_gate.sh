@@ -176,14 +176,14 @@ for step in "$@"; do
         -lms 500 > "$OUT/logs/smi-gpus-$t.csv" 2>&1 & smi=$!
       nvidia-smi --query-compute-apps=timestamp,pid,gpu_bus_id,used_memory --format=csv,noheader \
         -l 2 > "$OUT/logs/smi-apps-$t.csv" 2>&1 & apps=$!
-      runs=()  # RUNS="ttft": that run alone
-      case " ${RUNS:-ttft throughput unpacked} " in *" throughput "*)
+      runs=() want=" ${RUNS:-ttft throughput unpacked} "  # RUNS="ttft": that run alone
+      case $want in *" throughput "*)
         load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "throughput=$OUT/logs/serve2-$t") ;; esac
-      case " ${RUNS:-ttft throughput unpacked} " in *" unpacked "*)
+      case $want in *" unpacked "*)
         load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "unpacked=$OUT/logs/serve2-$t-seqs1") ;; esac
-      case " ${RUNS:-ttft throughput unpacked} " in *" ttft "*)
+      case $want in *" ttft "*)
         load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
         runs+=(--run "ttft=$OUT/logs/ttft-$t") ;; esac
       # ONE_SLOT=1: what a second slot per edge buys (slot_gain); nccl has no slots

@@ -77,11 +77,10 @@ class Server:
         env = dict(os.environ)
         if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
-        if self.trace:  # experiments/traced.py: a JAX profile of items FIRST.. of this process
+        serve = ["-m", "kernjax.serve"]
+        if self.trace:  # experiments/traced.py: kernjax.serve recording items FIRST.. in a profile
             env["KERNJAX_TRACE"] = f"{log.with_suffix('.trace')}:{self.trace}"
-        # --trace: experiments/traced.py is kernjax.serve recording a profile of the items named
-        serve = [str(Path(__file__).resolve().parent / "traced.py")] if self.trace else \
-            ["-m", "kernjax.serve"]
+            serve = [str(Path(__file__).resolve().parent / "traced.py")]
         with log.open("w") as f:
             p = subprocess.Popen([sys.executable, *serve, "--host", "127.0.0.1", *args],
                                  stdout=f, stderr=subprocess.STDOUT, env=env)
