@@ -23,6 +23,8 @@
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them
 #   peritem    experiments/peritem.py --stages: qwen3-4b's whole program timed per item at 16 x 16k
 #              and 1 x 8k, and the state copies in every program, the stages' edged ones too
+#   dispatch   experiments/dispatch.py: the host's time to issue a program while the GPU runs the
+#              last, with numpy or device operands, jit or compiled, with and without a side effect
 #   ipcbw      (nvidia-h200-x2) experiments/ipc_bandwidth.py: GB/s of one process writing into the
 #              other GPU's memory through CUDA IPC, each seeing one GPU against both seeing both
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
@@ -164,10 +166,10 @@ for step in "$@"; do
         # each run under its own limit: a hung pipeline must leave the other runs their time
         timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
           --chunk 512 --context 16384 --gpus 0,1 --transport "$t" --warmup 4 \
-          --out "$OUT/logs/$name" ${TRACE:+--trace "$TRACE"} "$@" > "$OUT/logs/$name.log" 2>&1
+          --out "$OUT/logs/$name" ${TRACE:+--trace "$TRACE"} "$@" ${LOAD_FLAGS:-} > "$OUT/logs/$name.log" 2>&1
         local rc=$?
-        grep -E "^\||mismatch|failed requests|items, kernels busy|^ +[0-9.]+ ms" "$OUT/logs/$name.log" \
-          | tail -"$([ -n "${TRACE:-}" ] && echo 40 || echo 9)" | say
+        grep -E "^\||mismatch|failed requests|items, kernels busy|per item:|host issue|^ +[0-9.]+ ms" "$OUT/logs/$name.log" \
+          | tail -"$([ -n "${TRACE:-}" ] && echo 50 || echo 9)" | say
         [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
       log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
@@ -220,6 +222,11 @@ for step in "$@"; do
       --iters 5 --stages > "$OUT/logs/peritem.log" 2>&1
     echo "peritem.py: exit $?" | say
     grep -E "^\||state copies" "$OUT/logs/peritem.log" | say ;;
+  dispatch)
+    log "the host's time to issue an item while the GPU is busy"
+    timeout 200 python experiments/dispatch.py --out "$OUT/logs/dispatch.json" > "$OUT/logs/dispatch.log" 2>&1
+    echo "dispatch.py: exit $?" | say
+    grep -E "^\||GEMMs" "$OUT/logs/dispatch.log" | say ;;
   ipcbw)
     log "CUDA IPC write bandwidth, GPU 0 into GPU 1, one GPU visible per process against both"
     timeout 120 python experiments/ipc_bandwidth.py --gpus 0,1 > "$OUT/logs/ipcbw.log" 2>&1

@@ -223,6 +223,31 @@ def _subjaxprs(e):
                 yield x
 
 
+def occupancy(ks: list[dict], gap_us: float = 50.0) -> dict:
+    """Where the GPU's time went between the first kernel's start and the last one's end, kernels
+    sorted by start: `hold_ms` in the edge ops' hold kernels (waiting on a neighbour), `work_ms`
+    in the others (their union: streams may overlap), `idle_ms` in none (waiting for the host to
+    launch), and the idle gaps of `gap_us` or more (count and ms)."""
+    if not ks:
+        return {"hold_ms": 0.0, "work_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0}
+    hold = work = idle = gaps_ns = 0
+    gaps, end = 0, ks[0]["start_ns"]
+    for k in ks:
+        s, e = k["start_ns"], k["start_ns"] + k["ns"]
+        if s > end:
+            idle += s - end
+            if s - end >= gap_us * 1e3:
+                gaps, gaps_ns = gaps + 1, gaps_ns + s - end
+        if e > end:
+            if "HoldKernel" in k["name"]:
+                hold += e - max(s, end)
+            else:
+                work += e - max(s, end)
+            end = e
+    return {"hold_ms": hold / 1e6, "work_ms": work / 1e6, "idle_ms": idle / 1e6, "gaps": gaps,
+            "gaps_ms": gaps_ns / 1e6}
+
+
 def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
     ks = kernels(trace_dir)
     names = [e.params["name"] for cj in closed_jaxprs for e in cj.jaxpr.eqns if "name" in e.params]
@@ -259,8 +284,7 @@ def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
             row["tflop_s"] = flops[name] / (c["ns"] / 1e9) / 1e12 if c["ns"] else 0.0
         calls.append(row)
     return {
-        "kernels": len(ks), "busy_ms": busy / 1e6, "span_ms": span / 1e6,
-        "idle_ms": (span - busy) / 1e6,
+        "kernels": len(ks), "busy_ms": busy / 1e6, "span_ms": span / 1e6, **occupancy(ks),
         "unattributed_ms": sum(c["ms"] for c in calls if c["call"] in ("?", "-")),
         "calls": calls,
         "kinds": {k: {"ms": v["ns"] / 1e6, "kernels": v["kernels"]} for k, v in

@@ -231,9 +231,19 @@ def traces(dirs, count: int, txt: Path) -> None:
         lines.append(f"{name}: {count} items, kernels busy {p['busy_ms']:.2f} ms of a "
                      f"{p['span_ms']:.2f} ms span ({p['busy_ms'] / count:.2f} busy, "
                      f"{p['span_ms'] / count:.2f} span per item); {p['kernels']} kernels")
+        lines.append(f"    per item: work {p['work_ms'] / count:.2f} ms, hold {p['hold_ms'] / count:.2f}"
+                     f" ms, idle {p['idle_ms'] / count:.2f} ms ({p['gaps']} gaps of 50 us or more,"
+                     f" {p['gaps_ms']:.2f} ms)")
+        issue = Path(f"{d}.issue.json")
+        if issue.exists():
+            ms = sorted(json.loads(issue.read_text())["issue_ms"])
+            if ms:
+                lines.append(f"    host issue per item: p50 {ms[len(ms) // 2]:.2f} ms, p90 "
+                             f"{ms[int(0.9 * (len(ms) - 1))]:.2f} ms, max {ms[-1]:.2f} ms "
+                             f"({len(ms)} issues)")
         lines += [f"    {k['ms']:9.3f} ms {k['n']:6d}x  {k['kernel']}" for k in p["top_kernels"][:8]]
         lines += [f"    host {h['ms']:9.3f} ms {h['n']:6d}x  [{h['thread']}] {h['event']}"
-                  for h in gpuprofile.host_events(str(d))]
+                  for h in gpuprofile.host_events(str(d), top=16)]
     txt.write_text("\n".join(lines) + "\n")
     print(txt.read_text(), flush=True)
 

@@ -1,0 +1,119 @@
+"""How long the host takes to issue one program while the GPU is still running the last: the
+question behind the two-GPU stages issuing an item in ~20 ms where the GPU needs ~5
+(experiments/results/2026-11-30-h200x2-serve/, the traces of `load.py --trace`).
+
+A serving stage issues item k+1 while item k runs, with per-item operands that come from the
+host as numpy arrays (the item's tokens, positions, pages; its sequence number), states donated,
+and, with the edge ops, a program with side effects (which JAX calls through its Python path).
+This times the same shapes of call on one GPU with a program of `--layers` GEMMs
+(`--rows` x `--dim` by `--dim` x `--ff`, ~5 ms), issued `--items` times back to back:
+
+- `ops`: per-item operands as numpy arrays (`np`), put on the device just before the call
+  (`put`), or device arrays made before the loop (`dev`);
+- `call`: `jax.jit(f)` or its `.lower().compile()` object, as the stages hold it;
+- `effect`: the program carries `kernjax.ffi.mark` (a side effect; no slot, so it writes nothing).
+
+For each, the median time of one issue on the host, the wall time per item over the run, and
+the GPU's own time per item (one item alone, waited for). An issue that takes the GPU's time
+means the host waits for the device on every item, and no item overlaps the next one's launch.
+
+    python experiments/dispatch.py            # one GPU; on the CPU it runs, and means little
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=100)
+    ap.add_argument("--rows", type=int, default=512)
+    ap.add_argument("--dim", type=int, default=2560)
+    ap.add_argument("--ff", type=int, default=2560)
+    ap.add_argument("--items", type=int, default=40)
+    ap.add_argument("--out", default="")
+    a = ap.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernjax import ffi
+
+    def program(effect: bool):
+        def f(state, w, x, pos, k):
+            y = x
+            for _ in range(a.layers):
+                y = jnp.tanh(y @ w).astype(x.dtype)
+            if effect:
+                y = ffi.mark(y, k)
+            state = state.at[pos[0] % state.shape[0]].set(y[0])
+            return state, y[-1].sum() + k[0]
+        return f
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((a.dim, a.ff)) / a.dim ** 0.5, jnp.bfloat16)
+    xs = [rng.standard_normal((a.rows, a.dim)).astype(jnp.bfloat16) for _ in range(a.items)]
+    poss = [np.asarray([i], np.int32) for i in range(a.items)]
+    ks = [np.asarray([i], np.int32) for i in range(a.items)]
+    rows = []
+    for ops, call, effect in itertools.product(("np", "put", "dev"), ("jit", "compiled"),
+                                               (False, True)):
+        state = jnp.zeros((1024, a.dim), jnp.bfloat16)
+        fn = jax.jit(program(effect), donate_argnums=0)
+        if call == "compiled":
+            fn = fn.lower(state, w, xs[0], poss[0], ks[0]).compile()
+        state, r = fn(state, w, xs[0], poss[0], ks[0])  # compile, warm
+        jax.block_until_ready((state, r))
+        t = time.perf_counter()
+        state, r = fn(state, w, xs[1], poss[1], ks[1])
+        jax.block_until_ready((state, r))
+        alone = time.perf_counter() - t
+        dev = [jax.device_put(v) for v in (*xs, *poss, *ks)] if ops == "dev" else None
+        if dev:
+            jax.block_until_ready(dev)
+        issue, puts, outs = [], [], []
+        t0 = time.perf_counter()
+        for i in range(a.items):
+            args = (xs[i], poss[i], ks[i])
+            if ops == "dev":
+                args = (dev[i], dev[a.items + i], dev[2 * a.items + i])
+            elif ops == "put":
+                t = time.perf_counter()
+                args = jax.device_put(args)
+                puts.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            state, r = fn(state, w, *args)
+            issue.append(time.perf_counter() - t)
+            outs.append(r)
+        jax.block_until_ready((state, outs))
+        wall = (time.perf_counter() - t0) / a.items
+        row = {"ops": ops, "call": call, "effect": effect,
+               "issue_ms": 1e3 * statistics.median(issue),
+               "put_ms": 1e3 * statistics.median(puts) if puts else 0.0,
+               "wall_ms_per_item": 1e3 * wall, "alone_ms": 1e3 * alone}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    print(f"\n{jax.devices()[0].device_kind}, jax {jax.__version__}, {a.layers} GEMMs of "
+          f"{a.rows}x{a.dim} by {a.dim}x{a.ff} a program, {a.items} items")
+    print("| ops | call | effect | issue ms | put ms | wall ms/item | alone ms |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['ops']} | {r['call']} | {r['effect']} | {r['issue_ms']:.3f} | "
+              f"{r['put_ms']:.3f} | {r['wall_ms_per_item']:.3f} | {r['alone_ms']:.3f} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
