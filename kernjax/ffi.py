@@ -1,48 +1,41 @@
 """kernjax's custom ops, as XLA FFI handlers.
 
-Every custom op is a typed XLA FFI handler written in C++ (csrc/*.cc) or CUDA
-(csrc/*.cu) and compiled into one pybind11 extension, `kernjax._ffi`. Its
-`registrations()` returns `{"cpu": {name: capsule}, "cuda": {name: capsule}}`;
-this module registers the cpu handlers with jax.ffi.register_ffi_target, and the
-cuda ones too when the extension was built with nvcc (setup.py; the "cuda" dict
-is otherwise empty). Registration happens at import when the extension is
-usable; `register()` does it on demand, is idempotent, and raises
-`ExtensionError` when the extension is missing or was built against another
-jax, since the FFI ABI is only promised for the jax version it was built with.
+Every custom op is a typed XLA FFI handler written in C++ (csrc/*.cc) or CUDA (csrc/*.cu) and
+compiled into one pybind11 extension, `kernjax._ffi`. Its `registrations()` returns
+`{"cpu": {name: capsule}, "cuda": {name: capsule}}`; this module registers the cpu handlers with
+jax.ffi.register_ffi_target, and the cuda ones too when the extension was built with nvcc
+(setup.py; the "cuda" dict is otherwise empty). Registration happens at import when the extension
+is usable; `register()` does it on demand, is idempotent, and raises `ExtensionError` when the
+extension is missing or was built against another jax, since the FFI ABI is only promised for the
+jax version it was built with.
 
-Each op has a Python wrapper that checks dtypes and shapes up front, with
-messages that name the argument, then calls jax.ffi.ffi_call; next to it is a
-pure-JAX reference (`<op>_reference`) with the same signature, which tests
-compare against bitwise and which documents what the op computes.
+Each op has a Python wrapper that checks dtypes and shapes up front, with messages that name the
+argument; ops with a pure-JAX reference (`<op>_reference`) are tested bitwise against it.
+Values that change from step to step (sequence numbers, positions, lengths) are operands, never
+attributes: attributes are baked into the compiled executable, so a per-step attribute would
+recompile every step. Attributes hold only what is fixed for the life of a program.
 
-Values that change from step to step (sequence numbers, positions, lengths) are
-operands, never attributes: attributes are baked into the compiled executable,
-so a per-step attribute would recompile every step. Attributes hold only what
-is fixed for the life of a program, such as a host slot's address.
-
-`mark` is the first op: an identity on one buffer that also publishes a
-per-step sequence number into a host slot, so a host thread can see how far a
-stage has run without synchronizing. Slot memory comes from
-`kernjax._ffi.host_alloc(nbytes, mapped=...)` (mapped=True gives pinned host
-memory the GPU can write, as the CUDA handler needs) and goes back through
-`host_free`; a CPU-only run may also use any aligned numpy array.
-
-`mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
-`models/mxfp4.py: shuffle`; derive programs run it at load). Later ops (hold, push, recv,
-FlashKDA, MXFP4 matmuls) slot in the same way (hold, recv, push and post, the edge ops of
-csrc/edge.h, are below; kernjax/edge.py puts them into stage programs):
-handlers in csrc/, an entry in csrc/module.cc's registrations(), and a checked
-wrapper plus reference here.
+- `mark`: an identity on one buffer that also publishes a per-step sequence number into a host
+  slot (`kernjax._ffi.host_alloc(nbytes, mapped=...)`, back through `host_free`; a CPU-only run
+  may use any aligned numpy array), so a host thread sees how far a stage has run.
+- `mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
+  `models/mxfp4.py: shuffle`; derive programs run it at load).
+- hold, recv, push and post, the edge ops of csrc/edge.h (kernjax/edge.py puts them into stage
+  programs).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import operator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.core import ShapedArray
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
 
 __all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
            "mark_reference", "mxfp4_shuffle", "hold", "recv", "push", "post"]
@@ -154,13 +147,8 @@ def mark(x, seq, *, slot: int = 0):
     seq = _check_seq(seq)
     slot = _check_slot(slot)
     register()
-    call = jax.ffi.ffi_call(
-        "kj_mark",
-        jax.ShapeDtypeStruct(x.shape, x.dtype),
-        has_side_effect=True,
-        input_output_aliases={0: 0},
-    )
-    return call(x, seq, slot=slot)
+    return jax.ffi.ffi_call("kj_mark", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            has_side_effect=True, input_output_aliases={0: 0})(x, seq, slot=slot)
 
 
 def mark_reference(x, seq):
@@ -196,47 +184,56 @@ def mxfp4_shuffle(packed, scales, *, gated: bool = False):
 # The edge ops (csrc/edge.h): `tok` is an int32[1] threaded through one stage's edge ops so that
 # data dependence orders them; `item` is the item's sequence number, an int32[1] operand; `edge`
 # names an edge this process has bound (kernjax.edge), `word` its arrived (0) or taken (1) word.
-def _edge_call(name, outs, *args, **attrs):
+# Each is a primitive whose custom call has a side effect for XLA (never removed, merged or
+# moved) and none for JAX: a program with JAX effects is called through Python, not jit's C++
+# dispatch, which cost a 4B model's stage ~3 ms of host time an item (docs/lessons.md).
+def _edge_op(target: str, aliases: dict[int, int]) -> Primitive:
+    p = Primitive(target)
+    p.multiple_results = True
+    p.def_abstract_eval(lambda *avals, outs, **attrs: outs)
+    p.def_impl(lambda *args, **params: jax.jit(functools.partial(p.bind, **params))(*args))
+    lower = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=aliases)
+    mlir.register_lowering(p, lambda ctx, *args, outs, **attrs: lower(ctx, *args, **attrs))
+    return p
+
+
+_HOLD, _RECV = _edge_op("kj_hold", {0: 0}), _edge_op("kj_recv", {})
+_PUSH, _POST = _edge_op("kj_push", {1: 0}), _edge_op("kj_post", {0: 0})
+_TOK = ShapedArray((1,), jnp.int32)
+
+
+def _edge_call(op, outs, *args, **attrs):
     register()
     for k, v in attrs.items():
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
-            raise TypeError(f"{name}: {k} must be a non-negative int fixed at trace time, got {v!r}")
-    for a in args:
+            raise TypeError(f"{op.name}: {k} must be a non-negative int fixed at trace time, "
+                            f"got {v!r}")
+    for a in args[:2] if op is not _PUSH else args[1:3]:
         if jnp.dtype(a.dtype) != jnp.int32 or a.shape != (1,):
-            raise TypeError(f"{name}: tok and item are int32[1], got {a.dtype}{list(a.shape)}")
-    return outs, {k: int(v) for k, v in attrs.items()}
+            raise TypeError(f"{op.name}: tok and item are int32[1], got {a.dtype}{list(a.shape)}")
+    return op.bind(*args, outs=outs, **{k: int(v) for k, v in attrs.items()})
 
 
 def hold(tok, item, *after, edge: int, word: int):
     """Waits on the device until item `item`'s slot of `edge` is ready: its arrivals are in (word
     0), or the item `nslots` before it was taken (word 1). Runs after `after` (order only)."""
-    spec = jax.ShapeDtypeStruct((1,), jnp.int32)
-    outs, attrs = _edge_call("hold", spec, tok, item, edge=edge, word=word)
-    return jax.ffi.ffi_call("kj_hold", outs, has_side_effect=True,
-                            input_output_aliases={0: 0})(tok, item, *after, **attrs)
+    return _edge_call(_HOLD, (_TOK,), tok, item, *after, edge=edge, word=word)[0]
 
 
 def recv(tok, item, spec: jax.ShapeDtypeStruct, *, edge: int, index: int):
     """`(departure index of item `item`, read from its slot of `edge`, tok)`."""
-    outs, attrs = _edge_call("recv", (spec, jax.ShapeDtypeStruct((1,), jnp.int32)), tok, item,
-                             edge=edge, index=index)
-    return jax.ffi.ffi_call("kj_recv", outs, has_side_effect=True)(tok, item, **attrs)
+    x = ShapedArray(spec.shape, spec.dtype)
+    return tuple(_edge_call(_RECV, (x, _TOK), tok, item, edge=edge, index=index))
 
 
 def push(x, tok, item, *, edge: int, index: int):
     """Writes `x`, departure `index` of item `item`, into its slot of `edge`; returns tok."""
-    outs, attrs = _edge_call("push", jax.ShapeDtypeStruct((1,), jnp.int32), tok, item,
-                             edge=edge, index=index)
-    return jax.ffi.ffi_call("kj_push", outs, has_side_effect=True,
-                            input_output_aliases={1: 0})(x, tok, item, **attrs)
+    return _edge_call(_PUSH, (_TOK,), x, tok, item, edge=edge, index=index)[0]
 
 
 def post(tok, value, *, edge: int, word: int):
     """Stores `value` into `edge`'s arrived (0) or taken (1) word, after what `tok` follows."""
-    outs, attrs = _edge_call("post", jax.ShapeDtypeStruct((1,), jnp.int32), tok, value,
-                             edge=edge, word=word)
-    return jax.ffi.ffi_call("kj_post", outs, has_side_effect=True,
-                            input_output_aliases={0: 0})(tok, value, **attrs)
+    return _edge_call(_POST, (_TOK,), tok, value, edge=edge, word=word)[0]
 
 
 try:
