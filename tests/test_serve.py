@@ -360,6 +360,32 @@ def test_a_frozen_stage_is_detected_within_the_stage_timeout(cuts, tmp_path, ext
         pipe.stop()
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="a stage on each of two GPUs")
+@pytest.mark.parametrize("kind", ["ipc", "nccl"])
+@pytest.mark.parametrize("fault", ["killed", "frozen"])
+def test_a_killed_or_frozen_stage_on_its_own_gpu_ends_the_pipeline_with_503s(cuts, tmp_path, kind,
+                                                                            fault):
+    """As on the CPU: the head's programs may be held on its GPU by the device transport, and
+    still every request gets a 503 naming the stage, and the head exits."""
+    pipe = Pipeline(cuts[2], tmp_path, stages=2, timeout=3, extra=("--transport", kind), gpus=2)
+    stage = pipe.procs[1].p.pid
+    try:
+        os.kill(stage, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+        t0 = time.time()
+        res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(4)]))
+        assert all(status == 503 and "stage 1" in r["error"]["message"] for status, r in res), res
+        assert time.time() - t0 < 15
+        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
+        if fault == "frozen":  # thawed, it finds the head gone and exits too
+            os.kill(stage, signal.SIGCONT)
+            assert _wait(pipe.procs[1], 15) not in (None, 0), pipe.logs()
+    finally:
+        if pipe.procs[1].p.poll() is None:
+            os.kill(stage, signal.SIGCONT)
+        pipe.stop()
+
+
 async def _one(url, body):
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
         return [await _post(s, url, body)]
