@@ -235,7 +235,7 @@ for step in "$@"; do
   calls)
     log "time per call"
     for r in 512 2048; do
-      python experiments/calls.py --model qwen3-4b --rows "$r" --context 8192 \
+      timeout "${CALLS_SECONDS:-300}" python experiments/calls.py --model qwen3-4b --rows "$r" --context 8192 \
         --out "$OUT/logs/calls-$r.json" > "$OUT/logs/calls-$r.log" 2>&1
       tail -22 "$OUT/logs/calls-$r.log" | say
       python -m kernjax.cut --model qwen3-4b --chunk "$r" --context 8192 --seqs 1 --at auto \
