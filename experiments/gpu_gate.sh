@@ -45,17 +45,21 @@
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # They passed at `d91317b` and again at `4273ad2` (GPU 0 of nvidia-h200-x2); rerun them after any
 # change to models/, kernjax/ or csrc/. The overlap-with-turns experiment ran at `4273ad2`: right
-# and 35-40 % slower, so the default stays. For 65 %, `gemms` (~60 s) says first what merged
-# GEMMs would buy (the weights concatenated at load, silu·mul in the down product's call).
-# Issue 8 on nvidia-h200-x2: the first runs (`b5b74bb`, experiments/results/2026-11-30-h200x2-serve/)
-# were right and no faster than one GPU. Next session, in this order, a call each:
-#   TRACE=100:20 RUNS=ttft TRANSPORTS=ipc LOAD_SECONDS=200 gpu_gate.sh serve2   (~150 s: each
-#       serving process profiled over items 100-119: GPU busy against span, top kernels, host)
-#   TRACE=1 TRANSPORTS="ipc nccl" gpu_gate.sh transfer ipcbw peritem          (~200 s)
-# then, with a fix: RUNS="ttft throughput unpacked" ONE_SLOT=1 TRANSPORTS=ipc gpu_gate.sh serve2,
-# TRANSPORTS=nccl (and shm, host) a call each, TESTS="tests/test_edge.py tests/test_serve.py"
-# gpu_gate.sh tests, gpu_gate.sh calls (--at auto); here, serve_summary.py --run ... --transfer
-# transfer-ipc.json adds each transfer's share of the period.
+# and 35-40 % slower, so the default stays. `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of
+# the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention kernel.
+# Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
+# GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
+# at chunk 512. Next, a call each:
+#   TRANSPORTS="ipc nccl" TRACE=1 gpu_gate.sh transfer     (the transfer at the C++ dispatch)
+#   XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED TRACE=150:20 RUNS=ttft TRANSPORTS=ipc \
+#       gpu_gate.sh serve2, then the same with --xla_gpu_enable_command_buffer= (no CUDA graphs):
+#       stage 1's host spends 3.6 ms an item updating and launching XLA's CUDA graph, which XLA
+#       re-records wherever a buffer's address moved; SKIP_PROFILED (read at client start, needs
+#       its VMM allocator) pins the addresses that held still over 3 runs. Same kernels, same bits.
+#   RUNS="throughput unpacked" LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" gpu_gate.sh serve2
+#       (packed_gain where kern measured it: items as large as a prompt)
+#   gpu_gate.sh k3serve                                     (issue 9's tok/s, whole vs 2 stages)
+# then issue 6's gates A and B at the final tree. serve_summary.py --run ... makes results.json.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.
