@@ -50,7 +50,8 @@
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next, a call each:
-#   TRANSPORTS="ipc nccl" TRACE=1 gpu_gate.sh transfer     (the transfer at the C++ dispatch)
+#   TRANSPORTS="ipc nccl" PINGPONG=1 gpu_gate.sh transfer  (an item's round trip on one GPU's clock:
+#       half is the transfer from departure ready to arrival usable; transfer.py --pingpong)
 #   XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED TRACE=150:20 RUNS=ttft TRANSPORTS=ipc \
 #       gpu_gate.sh serve2, then the same with --xla_gpu_enable_command_buffer= (no CUDA graphs):
 #       stage 1's host spends 3.6 ms an item updating and launching XLA's CUDA graph, which XLA
@@ -211,7 +212,7 @@ for step in "$@"; do
     for t in ${TRANSPORTS:-ipc nccl shm}; do
       log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
       timeout "${TRANSFER_SECONDS:-120}" python experiments/transfer.py --transport "$t" \
-        --gpus 0,1 --items 500 ${TRACE:+--trace} --out "$OUT/logs/transfer-$t.json" \
+        --gpus 0,1 --items 500 ${TRACE:+--trace} ${PINGPONG:+--pingpong} --out "$OUT/logs/transfer-$t.json" \
         > "$OUT/logs/transfer-$t.log" 2>&1
       echo "transfer $t: exit $?" | say
       tail -14 "$OUT/logs/transfer-$t.log" | say

@@ -225,9 +225,9 @@ def _subjaxprs(e):
 
 def occupancy(ks: list[dict], gap_us: float = 50.0) -> dict:
     """Where the GPU's time went between the first kernel's start and the last one's end, kernels
-    sorted by start: `hold_ms` in the edge ops' hold kernels (waiting on a neighbour), `work_ms`
-    in the others (their union: streams may overlap), `idle_ms` in none (waiting for the host to
-    launch), and the idle gaps of `gap_us` or more (count and ms)."""
+    sorted by start: `hold_ms` in the edge ops' holds (waiting on a neighbour; on the CPU their
+    thunks), `work_ms` in the others (their union: streams may overlap), `idle_ms` in none
+    (waiting for the host to launch), and the idle gaps of `gap_us` or more (count and ms)."""
     if not ks:
         return {"hold_ms": 0.0, "work_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0}
     hold = work = idle = gaps_ns = 0
@@ -239,7 +239,7 @@ def occupancy(ks: list[dict], gap_us: float = 50.0) -> dict:
             if s - end >= gap_us * 1e3:
                 gaps, gaps_ns = gaps + 1, gaps_ns + s - end
         if e > end:
-            if "HoldKernel" in k["name"]:
+            if "HoldKernel" in k["name"] or k["name"].startswith("kj_hold"):
                 hold += e - max(s, end)
             else:
                 work += e - max(s, end)

@@ -11,6 +11,16 @@ cost; serving's item period (`python -m kernjax.timeline`) gives its share.
     python experiments/transfer.py --transport shm --items 50 --shape 64,64        # the CPU
 
 Prints one line per side and a summary; `--out FILE` writes it as JSON.
+
+That loop's time per item is bounded below by each side's host issuing its programs: it says how
+fast a pipeline can go, not how long one transfer takes. `--pingpong` measures that instead, on
+one GPU's clock: side 0's program pushes an item over edge 0 and then waits for it back over
+edge 1; side 1, whose programs are all issued before side 0 starts, sends each item straight
+back. From side 0's profile, per item, the round trip runs from its push's first copy kernel to
+the end of its wait for the return; half of it is the time from departure ready to arrival
+usable.
+
+    python experiments/transfer.py --transport ipc --gpus 0,1 --items 200 --pingpong
 """
 
 from __future__ import annotations
@@ -80,6 +90,120 @@ def side(rank: int, a, q_out, q_in, res) -> None:
     e.close(unlink=rank == 1)
 
 
+def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
+    """Side 0 pushes item k over edge 0 and waits for it over edge 1, in one program; side 1
+    takes it off edge 0 and pushes it onto edge 1. Side 0 profiles its items."""
+    if a.gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = a.gpus.split(",")[rank]
+    sys.path.insert(0, str(REPO))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from kernjax import edge, ffi
+    from kernjax.trace import Slot
+
+    shape = tuple(int(x) for x in a.shape.split(","))
+    slots = [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
+    e_in, fields = edge.receiving(slots, 1 - rank, a.transport, a.slots)  # side 0 takes edge 1
+    q_out.put(fields)
+    e_out = edge.sending(slots, rank, q_in.get())
+    e_in.ready(120)
+    if rank == 1:
+        fn = edge.edged(lambda *xs: list(xs), slots, slots, edge_in=0, edge_out=1)
+        args = []
+    else:
+        def fn(*args):
+            *xs, item = args
+            tok = ffi.hold(item, item, *xs, edge=0, word=edge.TAKEN)
+            for i, x in enumerate(xs):
+                tok = ffi.push(x, tok, item, edge=0, index=i)
+            tok = ffi.post(tok, item + 1, edge=0, word=edge.ARRIVED)
+            tok = ffi.hold(tok, item, edge=1, word=edge.ARRIVED)
+            got = []
+            for i, sl in enumerate(slots):
+                x, tok = ffi.recv(tok, item, sl.spec(), edge=1, index=i)
+                got.append(x.reshape(-1)[0].astype(jnp.float32))
+            return [sum(got), ffi.post(tok, item + 1, edge=1, word=edge.TAKEN)]
+        args = [jnp.ones(shape, a.dtype) * (i + 1) for i in range(a.departures)]
+    run = jax.jit(fn)
+    item = lambda k: jnp.asarray([k], jnp.int32)  # noqa: E731
+    if rank == 1:  # every item issued before side 0 sends the first: no wait on this host
+        if jax.default_backend() == "cpu":  # (the CPU runs a program as it is issued)
+            go.put(True)
+        out = [run(*args, item(k)) for k in range(a.items + 1)]
+        if jax.default_backend() != "cpu":
+            go.put(True)
+        jax.block_until_ready(out)
+        res.put({"rank": 1})
+        time.sleep(0.5)
+        e_in.close(unlink=True)
+        e_out.close()
+        return
+    go.get(timeout=300)
+    jax.block_until_ready(run(*args, item(0)))  # compile and item 0, outside the profile
+    where = tempfile.mkdtemp(prefix="kernjax-pingpong-")
+    with jax.profiler.trace(where):
+        out = [run(*args, item(k)) for k in range(1, a.items + 1)]
+        jax.block_until_ready(out)
+    sys.path.insert(0, str(REPO / "experiments"))
+    import gpuprofile
+
+    # the CUDA kernels, or on the CPU the custom calls' thunks
+    hold, copy = ("HoldKernel", "kj_hold"), ("CopyKernel", "kj_push")
+    ks = sorted((k for k in gpuprofile.kernels(where) if k["name"].startswith(hold + copy)
+                 or "Kernel" in k["name"]), key=lambda k: k["start_ns"])
+    rtts, pushes, t0, holds = [], [], None, 0
+    if a.transport == "nccl":  # per item: the send's kernel, then the receive's, which waits
+        ks = [k for k in gpuprofile.kernels(where) if "nccl" in k["name"].lower()]
+        for i, k in enumerate(sorted(ks, key=lambda k: k["start_ns"])):
+            if i % 2 == 0:
+                t0 = k["start_ns"]
+                pushes.append(k["ns"])
+            else:
+                rtts.append(k["start_ns"] + k["ns"] - t0)
+        ks = []
+    for k in ks:  # per item: hold (edge 0), copies (push), post, hold (edge 1), copies, post
+        if any(h in k["name"] for h in hold):
+            holds += 1
+            if holds % 2 == 0 and t0 is not None:
+                rtts.append(k["start_ns"] + k["ns"] - t0)
+                t0 = None
+        elif any(c in k["name"] for c in copy) and holds % 2 == 1:
+            if t0 is None:
+                t0 = k["start_ns"]
+            pushes.append(k["ns"])
+    want = float(a.departures * (a.departures + 1) / 2)
+    res.put({"rank": 0, "rtt_ns": rtts, "push_ns": sum(pushes) / max(len(rtts), 1),
+             "check": float(np.asarray(out[-1][0])) == want})
+    time.sleep(0.5)
+    e_in.close(unlink=True)
+    e_out.close()
+
+
+def pingpong(a) -> dict:
+    ctx = mp.get_context("spawn")
+    q01, q10, go, res = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=pingpong_side, args=(0, a, q01, q10, go, res)),
+             ctx.Process(target=pingpong_side, args=(1, a, q10, q01, go, res))]
+    for p in procs:
+        p.start()
+    got = {}
+    for _ in range(2):
+        r = res.get(timeout=600)
+        got[r["rank"]] = r
+    for p in procs:
+        p.join(30)
+    import numpy as np
+
+    rtt = np.asarray(got[0]["rtt_ns"]) / 1e3
+    return {"transport": a.transport, "mode": "pingpong", "items": int(rtt.size),
+            "rtt_us_p50": float(np.median(rtt)) if rtt.size else None,
+            "rtt_us_p90": float(np.percentile(rtt, 90)) if rtt.size else None,
+            "one_way_us": float(np.median(rtt)) / 2 if rtt.size else None,
+            "push_copies_us": got[0]["push_ns"] / 1e3, "check": got[0]["check"]}
+
+
 def main() -> int:
     from kernjax.edge import TRANSPORTS  # jax comes with it: each rank's process sets its GPU first
 
@@ -95,7 +219,20 @@ def main() -> int:
     ap.add_argument("--trace", action="store_true",
                     help="profile the timed items: each side's top kernels, per item")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pingpong", action="store_true",
+                    help="the round trip of one item, from side 0's profile (see above)")
     a = ap.parse_args()
+    if a.pingpong:
+        import numpy as np
+
+        nbytes = a.departures * int(np.prod([int(x) for x in a.shape.split(",")])) * \
+            np.dtype(a.dtype if a.dtype != "bfloat16" else "float16").itemsize
+        summary = pingpong(a) | {"bytes_per_item": nbytes,
+                                 "link_bound_us": nbytes / (a.link_gbs * 1e9) * 1e6}
+        print(json.dumps(summary, indent=1))
+        if a.out:
+            Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
+        return 0 if summary["check"] else 1
     ctx = mp.get_context("spawn")
     handles, res = ctx.Queue(), ctx.Queue()
     down = ctx.Process(target=side, args=(1, a, handles, None, res))

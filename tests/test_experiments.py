@@ -159,6 +159,20 @@ def test_transfer_benchmark_moves_items_between_two_processes(tmp_path):
     assert "us/item" in got["sender_kernels"] and "us/item" in got["receiver_kernels"], got
 
 
+def test_transfer_pingpong_times_each_items_round_trip_on_one_clock(tmp_path):
+    """experiments/transfer.py --pingpong on the CPU: every item goes there and back (side 0's
+    check) and each round trip is read off side 0's profile, push to return."""
+    out = tmp_path / "p.json"
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "transfer.py"), "--transport",
+                        "shm", "--items", "12", "--shape", "16,16", "--pingpong", "--out",
+                        str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    got = json.loads(out.read_text())
+    assert got["check"] and got["mode"] == "pingpong" and got["items"] == 12, got
+    assert 0 < got["one_way_us"] * 2 == got["rtt_us_p50"] <= got["rtt_us_p90"], got
+
+
 def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_path):
     """experiments/load.py --trace FIRST:COUNT: every process (whole, stage 0, stage 1) records
     its items FIRST.. and trace.txt sums each one's kernels and host events."""
@@ -174,6 +188,9 @@ def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_pa
         line = next((x for x in text.splitlines() if x.startswith(proc + ":")), "")
         assert "3 items, kernels busy" in line, text
     assert text.count("    host ") >= 3, text
+    # each process's time split into work, hold and idle, and its host's issue of each item timed
+    # (an issue counts when it falls inside the window: three items may leave a process none)
+    assert text.count("    per item: work ") == 3 and "    host issue per item: p50" in text, text
 
 
 def test_peritem_and_gemms_run_on_the_cpu():
