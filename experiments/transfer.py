@@ -149,36 +149,45 @@ def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
     sys.path.insert(0, str(REPO / "experiments"))
     import gpuprofile
 
-    # the CUDA kernels, or on the CPU the custom calls' thunks
-    hold, copy = ("HoldKernel", "kj_hold"), ("CopyKernel", "kj_push")
-    ks = sorted((k for k in gpuprofile.kernels(where) if k["name"].startswith(hold + copy)
-                 or "Kernel" in k["name"]), key=lambda k: k["start_ns"])
-    rtts, pushes, t0, holds = [], [], None, 0
-    if a.transport == "nccl":  # per item: the send's kernel, then the receive's, which waits
-        ks = [k for k in gpuprofile.kernels(where) if "nccl" in k["name"].lower()]
-        for i, k in enumerate(sorted(ks, key=lambda k: k["start_ns"])):
-            if i % 2 == 0:
-                t0 = k["start_ns"]
-                pushes.append(k["ns"])
-            else:
-                rtts.append(k["start_ns"] + k["ns"] - t0)
-        ks = []
-    for k in ks:  # per item: hold (edge 0), copies (push), post, hold (edge 1), copies, post
-        if any(h in k["name"] for h in hold):
-            holds += 1
-            if holds % 2 == 0 and t0 is not None:
-                rtts.append(k["start_ns"] + k["ns"] - t0)
-                t0 = None
-        elif any(c in k["name"] for c in copy) and holds % 2 == 1:
-            if t0 is None:
-                t0 = k["start_ns"]
-            pushes.append(k["ns"])
+    rtts, pushes = round_trips(gpuprofile.kernels(where), nccl=a.transport == "nccl")
     want = float(a.departures * (a.departures + 1) / 2)
     res.put({"rank": 0, "rtt_ns": rtts, "push_ns": sum(pushes) / max(len(rtts), 1),
              "check": float(np.asarray(out[-1][0])) == want})
     time.sleep(0.5)
     e_in.close(unlink=True)
     e_out.close()
+
+
+def round_trips(ks: list[dict], nccl: bool) -> tuple[list[int], list[int]]:
+    """Side 0's profiled kernels (`gpuprofile.kernels`) -> per item, (the round trip, the push's
+    copies) in ns. An item's program runs hold (edge 0), its push's copies, post, hold (edge 1,
+    until the item is back), the receive's copies, post: the trip is from the first push copy's
+    start to the second hold's end. On an NCCL edge it is from the send kernel's start to the end
+    of the receive's, which waits. On the CPU the custom calls' thunks stand for the kernels."""
+    ks = sorted(ks, key=lambda k: k["start_ns"])
+    end = lambda k: k["start_ns"] + k["ns"]  # noqa: E731
+    if nccl:
+        ks = [k for k in ks if "nccl" in k["name"].lower()]
+        return [end(r) - s["start_ns"] for s, r in zip(ks[::2], ks[1::2])], \
+            [s["ns"] for s in ks[::2]]
+    rtts, pushes, t0, holds = [], [], None, 0
+    for k in ks:
+        if "HoldKernel" in k["name"] or k["name"].startswith("kj_hold"):
+            holds += 1
+            if holds % 2 == 0 and t0 is not None:
+                rtts.append(end(k) - t0)
+                t0 = None
+        elif ("CopyKernel" in k["name"] or k["name"].startswith("kj_push")) and holds % 2 == 1:
+            t0 = k["start_ns"] if t0 is None else t0
+            pushes.append(k["ns"])
+    return rtts, pushes
+
+
+def item_bytes(a) -> int:
+    import numpy as np
+
+    return a.departures * int(np.prod([int(x) for x in a.shape.split(",")])) * \
+        np.dtype(a.dtype if a.dtype != "bfloat16" else "float16").itemsize
 
 
 def pingpong(a) -> dict:
@@ -222,11 +231,8 @@ def main() -> int:
     ap.add_argument("--pingpong", action="store_true",
                     help="the round trip of one item, from side 0's profile (see above)")
     a = ap.parse_args()
+    nbytes = item_bytes(a)
     if a.pingpong:
-        import numpy as np
-
-        nbytes = a.departures * int(np.prod([int(x) for x in a.shape.split(",")])) * \
-            np.dtype(a.dtype if a.dtype != "bfloat16" else "float16").itemsize
         summary = pingpong(a) | {"bytes_per_item": nbytes,
                                  "link_bound_us": nbytes / (a.link_gbs * 1e9) * 1e6}
         print(json.dumps(summary, indent=1))
@@ -245,10 +251,6 @@ def main() -> int:
         got[r["rank"]] = r
     for p in (up, down):
         p.join(30)
-    import numpy as np
-
-    nbytes = a.departures * int(np.prod([int(x) for x in a.shape.split(",")])) * \
-        np.dtype(a.dtype if a.dtype != "bfloat16" else "float16").itemsize
     per = max(got[0]["s"], got[1]["s"]) / a.items
     bound = nbytes / (a.link_gbs * 1e9)
     summary = {"transport": a.transport, "items": a.items, "bytes_per_item": nbytes,

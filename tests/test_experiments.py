@@ -173,6 +173,28 @@ def test_transfer_pingpong_times_each_items_round_trip_on_one_clock(tmp_path):
     assert 0 < got["one_way_us"] * 2 == got["rtt_us_p50"] <= got["rtt_us_p90"], got
 
 
+def test_round_trips_are_read_from_push_to_return_on_the_gpu_and_over_nccl():
+    """transfer.py's parse of side 0's profile, on the kernels a GPU run gives: per item, the
+    push's first copy kernel to the end of the hold that waits for the item back."""
+    import transfer
+
+    def k(name, start, ns):
+        return {"name": name, "start_ns": start, "ns": ns}
+
+    hold, copy, post = "(anonymous namespace)::HoldKernel(int const*)", \
+        "(anonymous namespace)::CopyKernel(char*)", "(anonymous namespace)::PostKernel(int*)"
+    ks = []
+    for i, back in enumerate((50, 70)):  # two items, back after 50 and 70 us
+        t = 1000 * i
+        ks += [k(hold, t, 1), k(copy, t + 2, 10), k(copy, t + 12, 10), k(post, t + 22, 1),
+               k(hold, t + 23, back - 23), k(copy, t + back, 5), k(post, t + back + 5, 1),
+               k("loop_add_fusion", t + back + 6, 1)]
+    assert transfer.round_trips(ks[::-1], nccl=False) == ([48, 68], [10, 10, 10, 10])
+    nccl = [k("ncclDevKernel_SendRecv", 0, 20), k("ncclDevKernel_SendRecv", 25, 40),
+            k("ncclDevKernel_SendRecv", 100, 20), k("ncclDevKernel_SendRecv", 125, 30)]
+    assert transfer.round_trips(nccl, nccl=True) == ([65, 55], [20, 20])
+
+
 def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_path):
     """experiments/load.py --trace FIRST:COUNT: every process (whole, stage 0, stage 1) records
     its items FIRST.. and trace.txt sums each one's kernels and host events."""
