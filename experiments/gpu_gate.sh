@@ -52,11 +52,15 @@
 # at chunk 512. Next, a call each:
 #   TRANSPORTS="ipc nccl" PINGPONG=1 gpu_gate.sh transfer  (an item's round trip on one GPU's clock:
 #       half is the transfer from departure ready to arrival usable; transfer.py --pingpong)
-#   XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_PROFILED TRACE=150:20 RUNS=ttft TRANSPORTS=ipc \
-#       gpu_gate.sh serve2, then the same with --xla_gpu_enable_command_buffer= (no CUDA graphs):
-#       stage 1's host spends 3.6 ms an item updating and launching XLA's CUDA graph, which XLA
-#       re-records wherever a buffer's address moved; SKIP_PROFILED (read at client start, needs
-#       its VMM allocator) pins the addresses that held still over 3 runs. Same kernels, same bits.
+#   DISPATCH_FLAGS="--ops dev,same --calls compiled --effects 0 --every_layer \
+#       --xla_modes default,nocb,skip_profiled" gpu_gate.sh dispatch, then
+#   XLA_FLAGS=<the best mode's flag> TRACE=150:20 RUNS=ttft TRANSPORTS=ipc gpu_gate.sh serve2:
+#       stage 1's host spends 3.6 ms an item updating and launching XLA's CUDA graph, whose
+#       commands XLA updates wherever a buffer's address moved (every layer reads the item's
+#       per-item operands, fresh buffers each item); SKIP_PROFILED (read at client start, its
+#       VMM allocator) pins the addresses that held still over 3 runs; nocb: no CUDA graphs.
+#       If `same` (operands at fixed addresses) is what helps, the fills go through a pinned
+#       ring read by an op in the program, as the activations do. Same kernels, same bits.
 #   RUNS="throughput unpacked" LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" gpu_gate.sh serve2
 #       (packed_gain where kern measured it: items as large as a prompt)
 #   gpu_gate.sh k3serve                                     (issue 9's tok/s, whole vs 2 stages)
@@ -229,7 +233,8 @@ for step in "$@"; do
     grep -E "^\||state copies" "$OUT/logs/peritem.log" | say ;;
   dispatch)
     log "the host's time to issue an item while the GPU is busy"
-    timeout 200 python experiments/dispatch.py --out "$OUT/logs/dispatch.json" > "$OUT/logs/dispatch.log" 2>&1
+    timeout 300 python experiments/dispatch.py --out "$OUT/logs/dispatch.json" ${DISPATCH_FLAGS:-} \
+      > "$OUT/logs/dispatch.log" 2>&1
     echo "dispatch.py: exit $?" | say
     grep -E "^\||GEMMs" "$OUT/logs/dispatch.log" | say ;;
   ipcbw)

@@ -195,6 +195,20 @@ def test_round_trips_are_read_from_push_to_return_on_the_gpu_and_over_nccl():
     assert transfer.round_trips(nccl, nccl=True) == ([65, 55], [20, 20])
 
 
+def test_dispatch_times_each_issue_under_each_xla_mode_in_a_process_of_its_own():
+    """experiments/dispatch.py on the CPU: a row per (mode, operands, call, effect), each mode's
+    rows from its own process (XLA reads its flags once)."""
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "dispatch.py"), "--layers", "2",
+                        "--rows", "8", "--dim", "32", "--ff", "32", "--items", "3", "--ops",
+                        "dev,same", "--calls", "compiled", "--effects", "0,1", "--every_layer",
+                        "--xla_modes", "default,nocb"], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [x.split("|") for x in r.stdout.splitlines() if x.startswith(("| default", "| nocb"))]
+    assert len(rows) == 8 and all(float(x[7]) > 0 for x in rows), r.stdout
+    assert {x[1].strip() for x in rows} == {"default", "nocb"}, r.stdout
+
+
 def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_path):
     """experiments/load.py --trace FIRST:COUNT: every process (whole, stage 0, stage 1) records
     its items FIRST.. and trace.txt sums each one's kernels and host events."""
