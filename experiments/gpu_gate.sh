@@ -55,7 +55,7 @@
 #   DISPATCH_FLAGS="--ops dev,same --calls compiled --effects 0 --every_layer \
 #       --xla_modes default,nocb,skip_profiled" gpu_gate.sh dispatch, then
 #   XLA_FLAGS=<the best mode's flag> TRACE=150:20 RUNS=ttft TRANSPORTS=ipc gpu_gate.sh serve2:
-#       stage 1's host spends 3.6 ms an item updating and launching XLA's CUDA graph, whose
+#       stage 1's host spends ~4 ms an item updating and launching XLA's CUDA graph, whose
 #       commands XLA updates wherever a buffer's address moved (every layer reads the item's
 #       per-item operands, fresh buffers each item); SKIP_PROFILED (read at client start, its
 #       VMM allocator) pins the addresses that held still over 3 runs; nocb: no CUDA graphs.
