@@ -38,19 +38,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 
 
-def side(rank: int, a, q_out, q_in, res) -> None:
+def _slots(rank: int, a):
+    """`(shape, slots)` of one item's departures, in a process that sees only its rank's GPU
+    (set before jax is imported)."""
     if a.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = a.gpus.split(",")[rank]
     sys.path.insert(0, str(REPO))
+    from kernjax.trace import Slot
+
+    shape = tuple(int(x) for x in a.shape.split(","))
+    return shape, [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
+
+
+def side(rank: int, a, q_out, q_in, res) -> None:
+    shape, slots = _slots(rank, a)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from kernjax import edge
-    from kernjax.trace import Slot
-
-    shape = tuple(int(x) for x in a.shape.split(","))
-    slots = [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
     if rank == 1:  # the receiver makes the edge and names it, as a serving stage does
         e, fields = edge.receiving(slots, 0, a.transport, a.slots)
         q_out.put(fields)
@@ -93,18 +99,12 @@ def side(rank: int, a, q_out, q_in, res) -> None:
 def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
     """Side 0 pushes item k over edge 0 and waits for it over edge 1, in one program; side 1
     takes it off edge 0 and pushes it onto edge 1. Side 0 profiles its items."""
-    if a.gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = a.gpus.split(",")[rank]
-    sys.path.insert(0, str(REPO))
+    shape, slots = _slots(rank, a)
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     from kernjax import edge, ffi
-    from kernjax.trace import Slot
-
-    shape = tuple(int(x) for x in a.shape.split(","))
-    slots = [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
     e_in, fields = edge.receiving(slots, 1 - rank, a.transport, a.slots)  # side 0 takes edge 1
     q_out.put(fields)
     e_out = edge.sending(slots, rank, q_in.get())
