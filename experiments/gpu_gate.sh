@@ -3,11 +3,11 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
-#   overlap    experimental: the Hopper kernel with overlap=True (intra-warpgroup overlap; 5-14 %
-#              slower at `d91317b`) and with overlap=True, turns=True (overlap within and between
-#              warpgroups) against the float32 reference (tests/test_attention_pallas.py), the
-#              latter timed beside the default (experiments/attention.py); each under a timeout,
-#              in a call of its own
+#   variant    experimental: the Hopper kernel's $VARIANT (hopper-queue, default: queue=True, the
+#              products of a turn issued back to back; hopper-overlap-turns: overlap=True,
+#              turns=True, 35-40 % slower at `4273ad2`) timed beside the default
+#              (experiments/attention.py), then its GPU tests (tests/test_attention_pallas.py),
+#              each under a timeout, in a call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -35,7 +35,7 @@
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
 # A device call may run 10 minutes; a session has 30 and each call's build takes ~40 s. Measured
-# on one H200 (2026-11-30, `d91317b`): `overlap` 242 s; tests A + the 3 chains at 512, 394 s;
+# on one H200 (2026-11-30, `d91317b`): `variant` (then `overlap`) 242 s; tests A + the 3 chains at 512, 394 s;
 # tests B + the chains at 64, 271 s; the whole prefill table without profiles, 495 s (32k in one
 # chunk included); the k3 chains at 64 and 512, 160 s (`2a8776d`). Issue 6's gates, in two calls:
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
@@ -104,20 +104,21 @@ for step in "$@"; do
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
-  overlap)
+  variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
-    log "experiment: the Hopper kernel with intra-warpgroup overlap (models/attention_hopper.py)"
+    v=${VARIANT:-hopper-queue}
+    log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
-    for run in "hopper,hopper-overlap-turns" "hopper-overlap-turns --config 64,64,3"; do
+    for run in "hopper,$v" "$v --config 64,64,3"; do
       timeout 120 python experiments/attention.py --kernel $run \
-        --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/overlap-${run%% *}.log" 2>&1
+        --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/variant-${run%% *}.log" 2>&1
       echo "attention.py --kernel $run: exit $?" | say
-      grep -E "^\| +[0-9]" "$OUT/logs/overlap-${run%% *}.log" | say
+      grep -E "^\| +[0-9]" "$OUT/logs/variant-${run%% *}.log" | say
     done
     KERNJAX_TRY_OVERLAP=1 timeout ${TEST_SECONDS:-240} python -m pytest -q tests/test_attention_pallas.py \
-      -k "gpu and (overlap or hopper)" > "$OUT/logs/overlap-tests.log" 2>&1
+      -k "gpu and (overlap or hopper)" > "$OUT/logs/variant-tests.log" 2>&1
     echo "tests: exit $?" | say
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/overlap-tests.log" | tail -12 | say ;;
+    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/variant-tests.log" | tail -12 | say ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \
