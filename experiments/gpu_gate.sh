@@ -3,11 +3,11 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
-#   variant    experimental: the Hopper kernel's $VARIANT (hopper-queue, default: queue=True, the
-#              products of a turn issued back to back; hopper-overlap-turns: overlap=True,
-#              turns=True, 35-40 % slower at `4273ad2`) timed beside the default
-#              (experiments/attention.py), then its GPU tests (tests/test_attention_pallas.py),
-#              each under a timeout, in a call of its own
+#   variant    experimental: a variant of the Hopper kernel ($VARIANT, an experiments/attention.py
+#              kernel; default hopper-overlap-turns: overlap=True, turns=True, 35-40 % slower at
+#              `4273ad2`) timed beside the default, then its GPU tests
+#              (tests/test_attention_pallas.py, KERNJAX_TRY_OVERLAP), each under a timeout, in a
+#              call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -23,6 +23,9 @@
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them
 #   peritem    experiments/peritem.py --stages: qwen3-4b's whole program timed per item at 16 x 16k
 #              and 1 x 8k, and the state copies in every program, the stages' edged ones too
+#   issue      experiments/peritem.py --issue: qwen3-4b's whole program (16 x 16k) issued item after
+#              item as served, the host's time per call, with XLA's CUDA graphs as they are, off,
+#              and updated only where addresses moved over 3 runs (SKIP_PROFILED)
 #   dispatch   experiments/dispatch.py: the host's time to issue a program while the GPU runs the
 #              last, with numpy or device operands, jit or compiled, with and without a side effect
 #   ipcbw      (nvidia-h200-x2) experiments/ipc_bandwidth.py: GB/s of one process writing into the
@@ -45,7 +48,9 @@
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # They passed at `d91317b` and again at `4273ad2` (GPU 0 of nvidia-h200-x2); rerun them after any
 # change to models/, kernjax/ or csrc/. The overlap-with-turns experiment ran at `4273ad2`: right
-# and 35-40 % slower, so the default stays. `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of
+# and 35-40 % slower, so the default stays. So was `queue=True` at `852ce3f` (2026-12-01, one
+# H200): each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits as the default
+# (tested) but 445/484/485 against 449/512/511 TFLOP/s at 512, 2048, 8192 rows: removed. `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of
 # the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention kernel.
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
@@ -106,7 +111,7 @@ for step in "$@"; do
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
-    v=${VARIANT:-hopper-queue}
+    v=${VARIANT:-hopper-overlap-turns}
     log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
     for run in "hopper,$v" "$v --config 64,64,3"; do
@@ -232,6 +237,14 @@ for step in "$@"; do
       --iters 5 --stages > "$OUT/logs/peritem.log" 2>&1
     echo "peritem.py: exit $?" | say
     grep -E "^\||state copies" "$OUT/logs/peritem.log" | say ;;
+  issue)
+    log "the whole program's host issue per item, under each of XLA's CUDA-graph modes"
+    for mode in "" --xla_gpu_enable_command_buffer= --xla_gpu_command_buffer_update_mode=SKIP_PROFILED; do
+      XLA_FLAGS="${XLA_FLAGS:-} $mode" timeout 200 python experiments/peritem.py --model qwen3-4b \
+        --configs 16:16384 --iters 3 --issue 40 >> "$OUT/logs/issue.log" 2>&1
+      echo "peritem.py --issue ($mode): exit $?" | say
+    done
+    grep -E "^\| [0-9]|issue," "$OUT/logs/issue.log" | say ;;
   dispatch)
     log "the host's time to issue an item while the GPU is busy"
     timeout 300 python experiments/dispatch.py --out "$OUT/logs/dispatch.json" ${DISPATCH_FLAGS:-} \

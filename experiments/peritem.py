@@ -10,10 +10,16 @@ sequence, run after run; and it counts the copies of a state-sized buffer in the
 
     python experiments/peritem.py --model qwen3-tiny --configs 1:256,16:2048,16:8192
     python experiments/peritem.py --model qwen3-4b --configs 1:8192,16:16384   (GPU)
+    XLA_FLAGS=... python experiments/peritem.py --model qwen3-4b --configs 16:16384 --issue 40
+
+With `--issue`, the host's time to issue an item while the GPU runs the ones before: the
+served whole program's host spent ~4.6 ms an item updating XLA's CUDA graph and 1.6 launching
+it (`load.py --trace`); under which XLA flags, and with which operands, does that go away.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -33,6 +39,9 @@ flags.DEFINE_string("model", "qwen3-tiny", "a named model, random weights")
 flags.DEFINE_string("configs", "1:256,16:2048", "comma-separated SEQS:CONTEXT program shapes")
 flags.DEFINE_integer("chunk", 512, "rows per item")
 flags.DEFINE_integer("iters", 10, "timed runs per case")
+flags.DEFINE_integer("issue", 0, "also issue this many full items back to back, as a server "
+                     "does, and time each call's return on the host: fresh numpy operands each "
+                     "item (`np`) against one set put on the device before (`dev`)")
 flags.DEFINE_bool("stages", False, "also count the state copies in the stages' programs, plain "
                   "and with edge ops (a copied state is a pool-sized cost per item)")
 FLAGS = flags.FLAGS
@@ -47,6 +56,26 @@ def state_copies(hlo: str, shapes: set[str]) -> int:
             if m and m.group(1).split("[")[1].rstrip("]") in shapes:
                 n += 1
     return n
+
+
+def issue(r, item) -> str:
+    """The host's time per call while the GPU runs the calls before (median), and the wall
+    time per item over the run, for fresh numpy operands and for device-resident ones."""
+    out = []
+    dev = {k: jax.device_put(v) for k, v in item.items()}
+    for name in ("np", "dev"):
+        items = [{k: v.copy() for k, v in item.items()} if name == "np" else dev
+                 for _ in range(FLAGS.issue)]
+        jax.block_until_ready(r.run(items[0]))
+        ts, t0 = [], time.perf_counter()
+        for it in items:
+            t = time.perf_counter()
+            last = r.run(it)
+            ts.append(time.perf_counter() - t)
+        jax.block_until_ready(last)
+        wall = (time.perf_counter() - t0) / len(items)
+        out.append(f"{name} {1e3 * float(np.median(ts)):.2f} ms (wall {1e3 * wall:.2f} ms/item)")
+    return ", ".join(out)
 
 
 def main(_):
@@ -76,6 +105,9 @@ def main(_):
                     jax.block_until_ready(r.run(item))
                     ts.append(time.perf_counter() - t)
                 times[name] = 1e3 * float(np.median(ts))
+            if FLAGS.issue:
+                print(f"  issue, {FLAGS.issue} full items back to back (XLA_FLAGS="
+                      f"{os.environ.get('XLA_FLAGS', '')!r}): " + issue(r, full), flush=True)
             mib = sum(s.nbytes for s in states) / 2 ** 20
             print(f"| {seqs} | {context} | {mib:.0f} | {state_copies(r.fn.as_text(), shapes)} | "
                   f"{times['empty']:.2f} | {times['full']:.2f} |", flush=True)

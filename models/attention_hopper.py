@@ -124,7 +124,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, queue):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -288,75 +288,6 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 pl.when(wg == 0)(take_turn)
                 return acc, l
 
-            def queued(acc, m, l):
-                """`pingpong` with a warpgroup's products of a turn issued back to back: the
-                values product of step t and the scores product of step t+1 go to the tensor
-                cores together and are waited for together, so the tensor cores do not drain
-                between them (`pingpong` waits for P_t V_t before it issues Q K_{t+1}). The
-                same sums in the same order, so the same bits as `pingpong`. A warpgroup
-                without rows runs step 0 for nothing (it stores nothing) and drains the rest;
-                the last step always masks (the same bits for a visible key)."""
-                own_steps = jnp.maximum(kv_steps, 1)
-                s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
-                                       plgpu.Layout.WGMMA)
-                pl.when(wg == 1)(take_turn)
-                plgpu.barrier_wait(k_ready.at[0])
-
-                def first(ref):
-                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
-                    take_turn()
-                    return ref[...]
-
-                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[0])
-
-                def step(t, carry, masked, last=False):
-                    acc, m, l, qk = carry
-                    slot, nxt = lax.rem(t, jnp.int32(steps)), lax.rem(t + 1, jnp.int32(steps))
-                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
-                    if masked:
-                        pl.when(n > 0)(lambda: zero_values_past_the_tile(t, slot))
-
-                    def products(refs):
-                        o_ref, s_ref = refs
-                        plgpu.wgmma(o_ref, p16, v_smem.at[slot])
-                        if not last:
-                            plgpu.barrier_wait(k_ready.at[nxt])
-                            plgpu.wgmma(s_ref, qo, k_smem.at[nxt].transpose((1, 0)))
-                        take_turn()
-
-                    acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(s0)))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    if not last:
-                        plgpu.barrier_arrive(k_free.at[nxt])
-                    return acc, m_new, l, qk
-
-                split = jnp.minimum(n_full, own_steps - 1)
-                carry = lax.fori_loop(0, split, functools.partial(step, masked=False),
-                                      (acc, m, l, qk))
-                carry = lax.fori_loop(split, own_steps - 1, functools.partial(step, masked=True),
-                                      carry)
-                acc, m, l, _ = step(own_steps - 1, carry, masked=True, last=True)
-
-                def drain(t, _):
-                    slot = lax.rem(t, jnp.int32(steps))
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    take_turn()
-                    take_turn()
-
-                lax.fori_loop(own_steps, cta_steps, drain, None)
-                pl.when(wg == 0)(take_turn)
-                return acc, l
-
             def overlapped(acc, m, l):
                 """Each warpgroup on its own, its softmax of step t running while its product
                 of step t-1's probabilities with the values does (FlashAttention-3's
@@ -438,8 +369,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     pl.when(wg == 0)(take_turn)
                 return acc, l
 
-            schedule = overlapped if overlap else queued if queue and not interpret else pingpong
-            acc, l = schedule(acc, m, l)
+            acc, l = (overlapped if overlap else pingpong)(acc, m, l)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -480,11 +410,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "queue"))
+                                             "overlap", "turns"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
-                    interpret=False, overlap: bool = False, turns: bool = False,
-                    queue: bool = False) -> jax.Array:
+                    interpret=False, overlap: bool = False, turns: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -500,9 +429,6 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       default until measured faster and tested on the GPU.
     turns: with overlap, the two warpgroups also take turns issuing their products (overlap
       within and between warpgroups, as FlashAttention-3 has both). Experimental too.
-    queue: the turns without overlap, each warpgroup issuing step t's values product and step
-      t+1's scores product back to back (`queued`): the same bits as without. The interpreter
-      runs the plain turns (`pingpong`).
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -528,8 +454,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     kernel = functools.partial(
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
-        interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        queue=bool(queue))
+        interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (
