@@ -38,7 +38,8 @@
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
 # A device call may run 10 minutes; a session has 30 and each call's build takes ~40 s. Measured
-# on one H200 (2026-11-30, `d91317b`): `variant` (then `overlap`) 242 s; tests A + the 3 chains at 512, 394 s;
+# on one H200 (2026-11-30, `d91317b`): `variant` (then `overlap`) 242 s; tests A + the 3 chains
+# at 512, 394 s (371 s at `614aef7`); `issue` 165 s;
 # tests B + the chains at 64, 271 s; the whole prefill table without profiles, 495 s (32k in one
 # chunk included); the k3 chains at 64 and 512, 160 s (`2a8776d`). Issue 6's gates, in two calls:
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
@@ -46,30 +47,25 @@
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
-# They passed at `d91317b` and again at `4273ad2` (GPU 0 of nvidia-h200-x2); rerun them after any
-# change to models/, kernjax/ or csrc/. The overlap-with-turns experiment ran at `4273ad2`: right
-# and 35-40 % slower, so the default stays. So was `queue=True` at `852ce3f` (2026-12-01, one
-# H200): each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits as the default
-# (tested) but 445/484/485 against 449/512/511 TFLOP/s at 512, 2048, 8192 rows: removed. `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of
-# the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention kernel.
+# They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2) and at `614aef7` (one H200,
+# 2026-12-01, experiments/results/2026-12-01-h200/); rerun them after any change to models/,
+# kernjax/ or csrc/. Attention schedules tried against the plain turns, all slower: overlap
+# (5-14 %), overlap with turns (35-40 %, `4273ad2`), `queue` (each warpgroup issuing P_t V_t and
+# Q K_{t+1} back to back, same bits, 1-5 %, `852ce3f`, removed). `gemms` (`7eb1c64`): merged GEMMs
+# would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
+# kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
+# fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
-# at chunk 512. Next, a call each:
+# at chunk 512. Next on nvidia-h200-x2, a call each:
 #   TRANSPORTS="ipc nccl" PINGPONG=1 gpu_gate.sh transfer  (an item's round trip on one GPU's clock:
 #       half is the transfer from departure ready to arrival usable; transfer.py --pingpong)
-#   DISPATCH_FLAGS="--ops dev,same --calls compiled --effects 0 --every_layer \
-#       --xla_modes default,nocb,skip_profiled" gpu_gate.sh dispatch, then
-#   XLA_FLAGS=<the best mode's flag> TRACE=150:20 RUNS=ttft TRANSPORTS=ipc gpu_gate.sh serve2:
-#       stage 1's host spends ~4 ms an item updating and launching XLA's CUDA graph, whose
-#       commands XLA updates wherever a buffer's address moved (every layer reads the item's
-#       per-item operands, fresh buffers each item); SKIP_PROFILED (read at client start, its
-#       VMM allocator) pins the addresses that held still over 3 runs; nocb: no CUDA graphs.
-#       If `same` (operands at fixed addresses) is what helps, the fills go through a pinned
-#       ring read by an op in the program, as the activations do. Same kernels, same bits.
+#   TRACE=150:20 RUNS=ttft TRANSPORTS=ipc gpu_gate.sh serve2   (where a TTFT item's time goes
+#       beyond the stage's host issue, which no XLA flag lowers)
 #   RUNS="throughput unpacked" LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" gpu_gate.sh serve2
 #       (packed_gain where kern measured it: items as large as a prompt)
 #   gpu_gate.sh k3serve                                     (issue 9's tok/s, whole vs 2 stages)
-# then issue 6's gates A and B at the final tree. serve_summary.py --run ... makes results.json.
+# serve_summary.py --run ... makes results.json.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
 # under .kjcache/ (git-ignored), XLA's autotune and compilation caches under .kjcache/xla/.
