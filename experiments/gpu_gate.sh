@@ -3,6 +3,8 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
+#   ncu        Nsight Compute's full set on one launch of the Hopper kernel (8192 rows, 8192 keys),
+#              where it stalls; the report in logs/attention.ncu-rep, as text in ncu-details.txt
 #   variant    experimental: a variant of the Hopper kernel ($VARIANT, an experiments/attention.py
 #              kernel; default hopper-overlap-turns: overlap=True, turns=True, 35-40 % slower at
 #              `4273ad2`) timed beside the default, then its GPU tests
@@ -120,6 +122,20 @@ for step in "$@"; do
       -k "gpu and (overlap or hopper)" > "$OUT/logs/variant-tests.log" 2>&1
     echo "tests: exit $?" | say
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/variant-tests.log" | tail -12 | say ;;
+  ncu)
+    # where the attention kernel's warps stall: Nsight Compute's full set on one launch (square 8k)
+    log "a profile of the attention kernel (Nsight Compute), 8192 rows on 8192 keys"
+    n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ -z "$n" ]; then echo "ncu: not on this machine" | say; else
+      timeout 300 "$n" --kernel-name regex:"mosaic|attention" --launch-skip 2 --launch-count 1 \
+        --set full -f -o "$OUT/logs/attention" python experiments/attention.py --kernel hopper \
+        --cases 8192:8192 --reps 1 --inner 1 --sets 1 > "$OUT/logs/ncu.log" 2>&1
+      echo "ncu: exit $?" | say
+      "$n" --import "$OUT/logs/attention.ncu-rep" --page details > "$OUT/logs/ncu-details.txt" 2>&1
+      grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Local Memory|Stall|Tensor" \
+        "$OUT/logs/ncu-details.txt" | head -40 | say
+      tail -5 "$OUT/logs/ncu.log" | say
+    fi ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \
