@@ -134,6 +134,9 @@ for step in "$@"; do
       "$n" --import "$OUT/logs/attention.ncu-rep" --page details > "$OUT/logs/ncu-details.txt" 2>&1
       grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Local Memory|Stall|Tensor" \
         "$OUT/logs/ncu-details.txt" | head -40 | say
+      "$n" --import "$OUT/logs/attention.ncu-rep" --page raw > "$OUT/logs/ncu-raw.txt" 2>&1
+      grep -E "issue_stalled_[a-z_]+_per_warp_active.pct|inst_executed_pipe_[a-z_]+.avg.pct|pipe_tensor.*pct" \
+        "$OUT/logs/ncu-raw.txt" | awk '$NF+0 > 0.5' | head -50 | say
       tail -5 "$OUT/logs/ncu.log" | say
     fi ;;
   attention)
