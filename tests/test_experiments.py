@@ -10,6 +10,7 @@ puts its time on the program's calls (the attention among them), not on "unattri
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -231,10 +232,11 @@ def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_pa
 
 def test_peritem_and_gemms_run_on_the_cpu():
     """experiments/peritem.py and gemms.py print a row per case, before they cost a device call;
-    on the CPU no program, whole or stage, plain or with edge ops, copies a state."""
+    on the CPU no program, whole or stage, plain or with edge ops, copies a state; peritem's
+    `--issue` times each case's issue with numpy and with device operands."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     for args, rows, ms in ((["peritem.py", "--configs", "1:256,4:512", "--chunk", "32",
-                             "--iters", "1", "--stages"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
+                             "--iters", "1", "--stages", "--issue", "3"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
                                                        6, -3)):
         r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
                            capture_output=True, text=True, timeout=600, env=env)
@@ -244,6 +246,9 @@ def test_peritem_and_gemms_run_on_the_cpu():
         if "--stages" in args:  # no program copies a state (a pool-sized cost per item)
             assert all(x.split("|")[4].strip() == "0" for x in got), r.stdout
             assert r.stdout.count("state copies 0 plain, 0 with edge ops") == 2 * rows, r.stdout
+            issued = re.findall(r"issue, 3 full items .*: np ([\d.]+) ms \(wall ([\d.]+) ms/item\), "
+                                r"dev ([\d.]+) ms \(wall ([\d.]+) ms/item\)", r.stdout)
+            assert len(issued) == rows and all(float(v) > 0 for x in issued for v in x), r.stdout
 
 
 def _instr(name, what, call):
