@@ -6,10 +6,10 @@
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel (8192 rows, 8192 keys),
 #              where it stalls; the report in logs/attention.ncu-rep, as text in ncu-details.txt
 #   variant    experimental: a variant of the Hopper kernel ($VARIANT, an experiments/attention.py
-#              kernel; default hopper-overlap-turns: overlap=True, turns=True, 35-40 % slower at
-#              `4273ad2`) timed beside the default, then its GPU tests
-#              (tests/test_attention_pallas.py, KERNJAX_TRY_OVERLAP), each under a timeout, in a
-#              call of its own
+#              kernel; default hopper-named: named=True, the warpgroups' turns at a hardware named
+#              barrier, not yet run; hopper-overlap-turns was 35-40 % slower at `4273ad2`) timed
+#              beside the default, then the variants' GPU tests (tests/test_attention_pallas.py,
+#              KERNJAX_TRY_VARIANTS), each under a timeout, in a call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -57,6 +57,8 @@
 # would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
 # kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
 # fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
+# Next for 65 %, on one H200: `gpu_gate.sh variant ncu` (named barriers for the turns, timed and
+# checked; then the kernel's stall reasons per instruction).
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:
@@ -109,7 +111,7 @@ for step in "$@"; do
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
-    v=${VARIANT:-hopper-overlap-turns}
+    v=${VARIANT:-hopper-named}
     log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
     for run in "hopper,$v" "$v --config 64,64,3"; do
@@ -118,8 +120,8 @@ for step in "$@"; do
       echo "attention.py --kernel $run: exit $?" | say
       grep -E "^\| +[0-9]" "$OUT/logs/variant-${run%% *}.log" | say
     done
-    KERNJAX_TRY_OVERLAP=1 timeout ${TEST_SECONDS:-240} python -m pytest -q tests/test_attention_pallas.py \
-      -k "gpu and (overlap or hopper)" > "$OUT/logs/variant-tests.log" 2>&1
+    KERNJAX_TRY_VARIANTS=1 timeout ${TEST_SECONDS:-240} python -m pytest -q tests/test_attention_pallas.py \
+      -k "gpu and hopper" > "$OUT/logs/variant-tests.log" 2>&1
     echo "tests: exit $?" | say
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/variant-tests.log" | tail -12 | say ;;
   ncu)

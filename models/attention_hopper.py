@@ -48,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 PAGE = 16
@@ -90,6 +91,16 @@ def supports(q_dtype, head_dim: int) -> bool:
         head_dim in (64, 128)
 
 
+def _named_rendezvous():
+    """Both compute warpgroups (256 threads) meet at named barrier 15: a hardware barrier, not
+    a shared-memory one (Mosaic GPU's own warpgroup barriers take ids 1-3)."""
+    @plgpu.inline_mgpu()
+    def bar_sync(_):
+        mgpu_utils.inline_ptx("bar.sync 15, 256;", has_side_effects=True, convergent=True)
+
+    bar_sync()
+
+
 def _segment(cu_ref, j, *, seqs, rows, tile):
     """(segment, first row, end row) of tile slot j counted from the end of the list of every
     segment's tiles; segment `seqs` is the padding, `seqs + 1` means no tile."""
@@ -124,7 +135,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -136,8 +147,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
     per_block = block_kv // PAGE
 
     def take_turn():
-        plgpu.barrier_arrive(turn)
-        plgpu.barrier_wait(turn)
+        if named:
+            _named_rendezvous()
+        else:
+            plgpu.barrier_arrive(turn)
+            plgpu.barrier_wait(turn)
 
     def own_rows():
         rw = r0 + wg * block_q
@@ -244,9 +258,13 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     p16 = p.astype(dtype)
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    plgpu.barrier_arrive(turn)
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_wait(turn)
+                    if named:  # a named barrier has no arrive now, wait later
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        take_turn()
+                    else:
+                        plgpu.barrier_arrive(turn)
+                        plgpu.barrier_wait(v_ready.at[slot])
+                        plgpu.barrier_wait(turn)
                     if masked:
                         zero_values_past_the_tile(t, slot)
 
@@ -410,10 +428,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns"))
+                                             "overlap", "turns", "named"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
-                    interpret=False, overlap: bool = False, turns: bool = False) -> jax.Array:
+                    interpret=False, overlap: bool = False, turns: bool = False,
+                    named: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -429,6 +448,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       default until measured faster and tested on the GPU.
     turns: with overlap, the two warpgroups also take turns issuing their products (overlap
       within and between warpgroups, as FlashAttention-3 has both). Experimental too.
+    named: the compute warpgroups meet at a hardware named barrier (`bar.sync`, as
+      FlashAttention-3's turns do) instead of a shared-memory mbarrier; GPU only, the same bits.
+      Experimental: Nsight Compute has the tensor cores idle 37 % of the time, not for memory.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -447,6 +469,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if overlap and interpret:
         raise ValueError("overlap runs on a GPU only: Mosaic GPU's interpreter has neither "
                          "run_state nor a wgmma from registers")
+    if named and interpret:
+        raise ValueError("named runs on a GPU only: the interpreter runs no inline PTX")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")
@@ -454,7 +478,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     kernel = functools.partial(
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
-        interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns))
+        interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
+        named=bool(named))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

@@ -93,19 +93,23 @@ def _lowered_for_h200(rows=512, **kw) -> str:
         return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
 
 
-def test_the_overlapped_variant_lowers_for_an_h200_and_the_interpreter_refuses_it():
-    """`overlap=True`, alone and with `turns=True` (experimental; checked and timed on the GPU
-    by `gpu_gate.sh overlap`)
-    passes Mosaic GPU's layout inference here; the interpreter cannot run it and says so."""
+def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses_them():
+    """`overlap=True`, alone and with `turns=True`, and `named=True` (experimental; checked and
+    timed on the GPU by `gpu_gate.sh variant`) pass Mosaic GPU's layout inference here; the
+    interpreter cannot run them and says so."""
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, block_kv=64, steps=3)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, turns=True)
+    assert "bar.sync 15" in _lowered_for_h200(named=True)  # the named barrier, in the module
     S = jax.ShapeDtypeStruct
     args = (S((9, 16, 2, 2, 64), jnp.bfloat16), S((16, 4, 64), jnp.bfloat16),
             S((16,), jnp.int32), S((2,), jnp.int32), S((1, 4), jnp.int32))
     with pytest.raises(ValueError, match="overlap runs on a GPU only"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
             *a, scale=1.0, overlap=True, interpret=True), *args)
+    with pytest.raises(ValueError, match="named runs on a GPU only"):
+        jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
+            *a, scale=1.0, named=True, interpret=True), *args)
     with pytest.raises(ValueError, match="turns=True goes with overlap=True"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
             *a, scale=1.0, turns=True), *args)

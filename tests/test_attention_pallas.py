@@ -223,11 +223,13 @@ GPU_ITEMS = {
 
 
 KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention}
-if os.environ.get("KERNJAX_TRY_OVERLAP"):  # experiments/gpu_gate.sh overlap: an experiment's
-    # checks, in a device call of its own (a kernel that deadlocks must not take the gates along)
-    KERNELS["hopper-overlap"] = functools.partial(attention_hopper.chunk_attention, overlap=True)
-    KERNELS["hopper-overlap-turns"] = functools.partial(attention_hopper.chunk_attention,
-                                                        overlap=True, turns=True)
+VARIANTS = {"hopper-overlap": dict(overlap=True), "hopper-overlap-turns": dict(overlap=True, turns=True),
+            "hopper-named": dict(named=True)}
+TRY_VARIANTS = bool(os.environ.get("KERNJAX_TRY_VARIANTS"))
+if TRY_VARIANTS:  # experiments/gpu_gate.sh variant: the experiments' checks, in a device call of
+    # their own (a kernel that deadlocks must not take the gates along)
+    KERNELS.update({k: functools.partial(attention_hopper.chunk_attention, **kw)
+                    for k, kw in VARIANTS.items()})
 
 
 @gpu
@@ -245,6 +247,17 @@ def test_gpu_matches_reference(name, kernel):
     again = chunk_attention(*args, scale=scale)
     assert np.asarray(out).tobytes() == np.asarray(again).tobytes(), "run to run"
     check(out, _gpu_reference(*args, scale), args[3], 1e-2)
+
+
+@gpu
+@pytest.mark.skipif(not TRY_VARIANTS, reason="an experiment: experiments/gpu_gate.sh variant")
+@pytest.mark.parametrize("name", list(GPU_ITEMS))
+def test_gpu_hopper_named_barrier_gives_the_default_bits(name):
+    """`named` only changes how the warpgroups meet, not the sums."""
+    args = _gpu_item(len(name), *GPU_ITEMS[name])
+    outs = [attention_hopper.chunk_attention(*args, scale=128 ** -0.5, named=named)
+            for named in (False, True)]
+    assert np.asarray(outs[0]).tobytes() == np.asarray(outs[1]).tobytes()
 
 
 @gpu
