@@ -3,8 +3,9 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
-#   ncu        Nsight Compute's full set on one launch of the Hopper kernel (8192 rows, 8192 keys),
-#              where it stalls; the report in logs/attention.ncu-rep, as text in ncu-details.txt
+#   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
+#              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
+#              as text in ncu-details.txt, the stall samples per SASS instruction in ncu-source.csv
 #   variant    experimental: a variant of the Hopper kernel ($VARIANT, an experiments/attention.py
 #              kernel; default hopper-named: named=True, the warpgroups' turns at a hardware named
 #              barrier, not yet run; hopper-overlap-turns was 35-40 % slower at `4273ad2`) timed
@@ -130,7 +131,7 @@ for step in "$@"; do
     n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
     if [ -z "$n" ]; then echo "ncu: not on this machine" | say; else
       timeout 300 "$n" --kernel-name regex:"mosaic|attention" --launch-skip 2 --launch-count 1 \
-        --set full -f -o "$OUT/logs/attention" python experiments/attention.py --kernel hopper \
+        --set full -f -o "$OUT/logs/attention" python experiments/attention.py --kernel ${NCU_KERNEL:-hopper} \
         --cases 8192:8192 --reps 1 --inner 1 --sets 1 > "$OUT/logs/ncu.log" 2>&1
       echo "ncu: exit $?" | say
       "$n" --import "$OUT/logs/attention.ncu-rep" --page details > "$OUT/logs/ncu-details.txt" 2>&1
@@ -139,6 +140,10 @@ for step in "$@"; do
       "$n" --import "$OUT/logs/attention.ncu-rep" --page raw > "$OUT/logs/ncu-raw.txt" 2>&1
       grep -E "issue_stalled_[a-z_]+_per_warp_active.pct|inst_executed_pipe_[a-z_]+.avg.pct|pipe_tensor.*pct" \
         "$OUT/logs/ncu-raw.txt" | awk '$NF+0 > 0.5' | head -50 | say
+      # per SASS instruction, its stall samples: where in the loop the warps wait
+      "$n" --import "$OUT/logs/attention.ncu-rep" --page source --print-source sass --csv \
+        > "$OUT/logs/ncu-source.csv" 2>&1
+      echo "ncu source page: $(wc -l < "$OUT/logs/ncu-source.csv") lines in logs/ncu-source.csv" | say
       tail -5 "$OUT/logs/ncu.log" | say
     fi ;;
   attention)
