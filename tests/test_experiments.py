@@ -276,3 +276,17 @@ def test_profile_follows_the_schedule_through_kernels_xla_compiled_once_for_ever
            "fusion_1", "nvjet_a", "wrapped_add", "nvjet_a", "nvjet_b"]
     got = gpuprofile.attribute([{"name": n, "hlo_op": None} for n in run * 2], ops, order)
     assert got == [c for _, _, c in body] * 2
+
+
+def test_same_kernel_sees_through_moved_lines_and_not_through_a_changed_kernel(tmp_path):
+    """experiments/same_kernel.py: the Hopper kernel's Mosaic module without debug locations
+    is the same when the source only moved down, and differs when an option changes the kernel."""
+    import same_kernel
+
+    moved = tmp_path / "attention_hopper.py"
+    moved.write_text("# a line\n# and another\n" + (REPO / same_kernel.PATH).read_text())
+    now, then = same_kernel._load(REPO / same_kernel.PATH), same_kernel._load(moved)
+    default = same_kernel.mosaic_module(now)
+    assert "wgmma" in default and "loc(" not in default
+    assert same_kernel.mosaic_module(then) == default
+    assert same_kernel.mosaic_module(now, named=True) != default
