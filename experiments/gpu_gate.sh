@@ -52,7 +52,8 @@
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2) and at `614aef7` (one H200,
 # 2026-12-01, experiments/results/2026-12-01-h200/); rerun them after any change to models/,
-# kernjax/ or csrc/. Attention schedules tried against the plain turns, all slower: overlap
+# kernjax/ or csrc/ (for the attention kernel alone, `python experiments/same_kernel.py REV` says
+# whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against the plain turns, all slower: overlap
 # (5-14 %), overlap with turns (35-40 %, `4273ad2`), `queue` (each warpgroup issuing P_t V_t and
 # Q K_{t+1} back to back, same bits, 1-5 %, `852ce3f`, removed). `gemms` (`7eb1c64`): merged GEMMs
 # would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
