@@ -19,11 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import jax
 import jax.experimental.mosaic.gpu as mgpu
-import jax.numpy as jnp
 from jax._src.interpreters import mlir as jmlir
 from jax._src.lib.mlir import ir
+
+from kernjax.models import attention_hopper
 
 REPO = Path(__file__).resolve().parents[1]
 PATH = "models/attention_hopper.py"
@@ -39,15 +39,10 @@ def _load(path: Path):
 
 
 def mosaic_module(mod, rows: int = 512, **kw) -> str:
-    """The kernel's Mosaic GPU module as text, without debug locations."""
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    S = jax.ShapeDtypeStruct
-    args = (S((257, 16, 2, 8, 128), jnp.bfloat16), S((rows, 32, 128), jnp.bfloat16),
-            S((rows,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
-    fn = jax.jit(lambda *a: mod.chunk_attention(*a, scale=128 ** -0.5, **kw))
-    with jax.sharding.use_abstract_mesh(mesh):
-        hlo = fn.trace(*args).lower(lowering_platforms=("cuda",)).compiler_ir("stablehlo")
+    """The kernel's Mosaic GPU module as text, without debug locations: `mod` (a version of
+    models/attention_hopper.py) lowered for an H200 by the tree's `lower_for_h200`."""
+    hlo = attention_hopper.lower_for_h200(rows, fn=mod.chunk_attention, **kw).compiler_ir(
+        "stablehlo")
     found = []
 
     def walk(op):

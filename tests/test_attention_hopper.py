@@ -83,14 +83,7 @@ def test_batch_invariance():
 
 
 def _lowered_for_h200(rows=512, **kw) -> str:
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    S = jax.ShapeDtypeStruct
-    args = (S((257, 16, 2, 8, 128), jnp.bfloat16), S((rows, 32, 128), jnp.bfloat16),
-            S((rows,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
-    fn = jax.jit(lambda *a: attention_hopper.chunk_attention(*a, scale=128 ** -0.5, **kw))
-    with jax.sharding.use_abstract_mesh(mesh):
-        return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text(debug_info=False)
+    return attention_hopper.lower_for_h200(rows, **kw).as_text(debug_info=False)
 
 
 def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses_them():
