@@ -123,7 +123,7 @@ for step in "$@"; do
       grep -E "^\| +[0-9]" "$OUT/logs/variant-${run%% *}.log" | say
     done
     KERNJAX_TRY_VARIANTS=1 timeout ${TEST_SECONDS:-240} python -m pytest -q tests/test_attention_pallas.py \
-      -k "gpu and hopper" > "$OUT/logs/variant-tests.log" 2>&1
+      -k "${VARIANT_TESTS:-gpu and hopper}" > "$OUT/logs/variant-tests.log" 2>&1
     echo "tests: exit $?" | say
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/variant-tests.log" | tail -12 | say ;;
   ncu)

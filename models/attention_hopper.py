@@ -91,14 +91,22 @@ def supports(q_dtype, head_dim: int) -> bool:
         head_dim in (64, 128)
 
 
-def _named_rendezvous():
-    """Both compute warpgroups (256 threads) meet at named barrier 15: a hardware barrier, not
-    a shared-memory one (Mosaic GPU's own warpgroup barriers take ids 1-3)."""
+def _named_barrier(op: str = "sync", bar: int = 15):
+    """`bar.<op> <bar>, 256`: a hardware named barrier of both compute warpgroups (256 threads),
+    not a shared-memory one (Mosaic GPU's own warpgroup barriers take ids 1-3). `sync` waits for
+    the 256 arrivals, `arrive` adds 128 and goes on."""
     @plgpu.inline_mgpu()
-    def bar_sync(_):
-        mgpu_utils.inline_ptx("bar.sync 15, 256;", has_side_effects=True, convergent=True)
+    def bar_op(_):
+        mgpu_utils.inline_ptx(f"bar.{op} {bar}, 256;", has_side_effects=True, convergent=True)
 
-    bar_sync()
+    bar_op()
+
+
+def _named_token(op: str, wg, mine: bool):
+    """`op` on warpgroup `wg`'s own named barrier (14 + wg) or on the other's: a warpgroup
+    waits (`sync`) on its own for the turn the other hands it (`arrive`)."""
+    for w in (0, 1):
+        pl.when(wg == w)(lambda w=w: _named_barrier(op, 14 + (w if mine else 1 - w)))
 
 
 def _segment(cu_ref, j, *, seqs, rows, tile):
@@ -135,7 +143,8 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
+            tokens):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -148,10 +157,16 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
     def take_turn():
         if named:
-            _named_rendezvous()
+            _named_barrier()
         else:
             plgpu.barrier_arrive(turn)
             plgpu.barrier_wait(turn)
+
+    def await_turn():  # before issuing products: with tokens, wait for this warpgroup's turn
+        _named_token("sync", wg, mine=True) if tokens else take_turn()
+
+    def pass_turn():  # after issuing them: with tokens, hand the turn over and go on
+        _named_token("arrive", wg, mine=False) if tokens else take_turn()
 
     def own_rows():
         rw = r0 + wg * block_q
@@ -236,7 +251,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 def _first_keys():
                     plgpu.barrier_wait(k_ready.at[0])
 
-                pl.when(wg == 1)(take_turn)
+                pl.when(wg == 1)(await_turn)
 
                 def _next_keys_when(t):
                     @pl.when(t + 1 < kv_steps)
@@ -249,7 +264,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                     def scores(ref):
                         plgpu.wgmma(ref, qo, k_smem.at[slot].transpose((1, 0)))
-                        take_turn()
+                        pass_turn()
                         return ref[...]
 
                     qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
@@ -260,7 +275,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                     if named:  # a named barrier has no arrive now, wait later
                         plgpu.barrier_wait(v_ready.at[slot])
-                        take_turn()
+                        await_turn()
                     else:
                         plgpu.barrier_arrive(turn)
                         plgpu.barrier_wait(v_ready.at[slot])
@@ -296,14 +311,14 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.barrier_wait(v_ready.at[slot])  # is observed: the interpreter checks it)
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
-                    take_turn()
-                    take_turn()
+                    pass_turn()
+                    await_turn()
 
                 carry = lax.fori_loop(0, n_full, functools.partial(step, masked=False), (acc, m, l))
                 acc, m, l = lax.fori_loop(n_full, kv_steps, functools.partial(step, masked=True),
                                           carry)
                 lax.fori_loop(kv_steps, cta_steps, drain, None)
-                pl.when(wg == 0)(take_turn)
+                pl.when(wg == 0)(pass_turn)
                 return acc, l
 
             def overlapped(acc, m, l):
@@ -443,11 +458,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named"))
+                                             "overlap", "turns", "named", "tokens"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool = False) -> jax.Array:
+                    named: bool = False, tokens: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -466,6 +481,10 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     named: the compute warpgroups meet at a hardware named barrier (`bar.sync`, as
       FlashAttention-3's turns do) instead of a shared-memory mbarrier; GPU only, the same bits.
       Experimental: Nsight Compute has the tensor cores idle 37 % of the time, not for memory.
+    tokens: with named, a turn passes one way (FlashAttention-3's scheduler barriers): a
+      warpgroup waits at its own named barrier before issuing its products and, once issued,
+      arrives at the other's without waiting; the rendezvous makes each also wait for the
+      other's softmax. Experimental, GPU only, the same bits.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -486,6 +505,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          "run_state nor a wgmma from registers")
     if named and interpret:
         raise ValueError("named runs on a GPU only: the interpreter runs no inline PTX")
+    if tokens and (not named or overlap):
+        raise ValueError("tokens=True goes with named=True and without overlap")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")
@@ -494,7 +515,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named))
+        named=bool(named), tokens=bool(tokens))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

@@ -94,6 +94,8 @@ def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, block_kv=64, steps=3)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, turns=True)
     assert "bar.sync 15" in _lowered_for_h200(named=True)  # the named barrier, in the module
+    tokens = _lowered_for_h200(named=True, tokens=True)  # each warpgroup's own, one way
+    assert all(f"bar.{op} {b}, 256" in tokens for op in ("sync", "arrive") for b in (14, 15))
     S = jax.ShapeDtypeStruct
     args = (S((9, 16, 2, 2, 64), jnp.bfloat16), S((16, 4, 64), jnp.bfloat16),
             S((16,), jnp.int32), S((2,), jnp.int32), S((1, 4), jnp.int32))
@@ -103,6 +105,9 @@ def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses
     with pytest.raises(ValueError, match="named runs on a GPU only"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
             *a, scale=1.0, named=True, interpret=True), *args)
+    with pytest.raises(ValueError, match="tokens=True goes with named=True"):
+        jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
+            *a, scale=1.0, tokens=True), *args)
     with pytest.raises(ValueError, match="turns=True goes with overlap=True"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
             *a, scale=1.0, turns=True), *args)
