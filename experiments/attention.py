@@ -37,12 +37,11 @@ SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
 # triton: (block_q, block_k, num_warps, num_stages); for H/KV = 4 the tile is 4 * block_q tall.
 # hopper-overlap: the same kernel with `overlap=True` (FlashAttention-3's intra-warpgroup
 # overlap, experimental; GPU only); hopper-overlap-turns: with `turns=True` too (the two
-# warpgroups also alternate, as in FlashAttention-3); hopper-named: `named=True` (the warpgroups
-# meet at a hardware named barrier, not an mbarrier; the same bits as the default).
+# warpgroups also alternate, as in FlashAttention-3); hopper-mbarrier: `named=False` (the
+# warpgroups meet at a shared-memory mbarrier, the default until `3775424`; the same bits).
 CONFIGS = {
     "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
-    "hopper-named": [(64, 128, 2), (64, 64, 3)],
-    "hopper-tokens": [(64, 128, 2), (64, 64, 3)],
+    "hopper-mbarrier": [(64, 128, 2)],
     "hopper-overlap": [(64, 128, 2), (64, 64, 3), (64, 64, 4)],
     "hopper-overlap-turns": [(64, 128, 2), (64, 64, 3)],
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
@@ -50,8 +49,7 @@ CONFIGS = {
 }
 SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)]}
 NAMES = {"hopper": ("block_q", "block_kv", "steps"),
-         "hopper-named": ("block_q", "block_kv", "steps"),
-         "hopper-tokens": ("block_q", "block_kv", "steps"),
+         "hopper-mbarrier": ("block_q", "block_kv", "steps"),
          "hopper-overlap": ("block_q", "block_kv", "steps"),
          "hopper-overlap-turns": ("block_q", "block_kv", "steps"),
          "triton": ("block_q", "block_k", "num_warps", "num_stages")}
@@ -65,8 +63,8 @@ def kernel_fn(kernel, config, scale, interpret):
             kw["interpret"] = plgpu.InterpretGPUParams()
         kw["overlap"] = kernel.startswith("hopper-overlap")
         kw["turns"] = kernel == "hopper-overlap-turns"
-        kw["named"] = kernel in ("hopper-named", "hopper-tokens")
-        kw["tokens"] = kernel == "hopper-tokens"
+        if kernel == "hopper-mbarrier":
+            kw["named"] = False
         return jax.jit(lambda *x: attention_hopper.chunk_attention(*x, scale=scale, **kw))
     return jax.jit(lambda *x: attention_pallas.chunk_attention(
         *x, scale=scale, interpret=interpret, **kw))
@@ -110,8 +108,8 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="hopper,triton",
-                    help="comma-separated: hopper, hopper-named, hopper-tokens, hopper-overlap, "
-                    "hopper-overlap-turns (the last four experimental), triton")
+                    help="comma-separated: hopper, hopper-mbarrier, hopper-overlap, "
+                    "hopper-overlap-turns (the last three experimental), triton")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
     ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2 (one kernel)")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")

@@ -6,11 +6,11 @@
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
 #              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
 #              as text in ncu-details.txt, the stall samples per SASS instruction in ncu-source.csv
-#   variant    experimental: a variant of the Hopper kernel ($VARIANT, an experiments/attention.py
-#              kernel; default hopper-named: named=True, the warpgroups' turns at a hardware named
-#              barrier, not yet run; hopper-overlap-turns was 35-40 % slower at `4273ad2`) timed
-#              beside the default, then the variants' GPU tests (tests/test_attention_pallas.py,
-#              KERNJAX_TRY_VARIANTS), each under a timeout, in a call of its own
+#   variant    experimental: variants of the Hopper kernel ($VARIANT, experiments/attention.py
+#              kernels, comma-separated; default hopper-mbarrier: the turns at a shared-memory
+#              mbarrier, the default before `3775424`) timed beside the default, then the GPU
+#              tests $VARIANT_TESTS selects (tests/test_attention_pallas.py, KERNJAX_TRY_VARIANTS),
+#              each under a timeout, in a call of its own
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -113,7 +113,7 @@ for step in "$@"; do
     [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
-    v=${VARIANT:-hopper-named}
+    v=${VARIANT:-hopper-mbarrier}
     log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
     for run in "hopper,$v" "$v --config 64,64,3"; do

@@ -3,7 +3,8 @@
 The same function as `models/attention_pallas.py` (the Triton kernel, kept for float32 and for
 head dims other than 64 and 128), shaped like FlashAttention-3: tensor-core products
 issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
-moves memory and two that compute, taking turns on the tensor cores.
+moves memory and two that compute, taking turns on the tensor cores (handed over one way at
+hardware named barriers, as FlashAttention-3's scheduler barriers do).
 
 Work split. A CTA takes `2 * block_q` consecutive rows of one sequence (a *tile*) for one query
 head; compute warpgroup w owns rows `w * block_q ..` of the tile. Tiles are found by walking
@@ -91,22 +92,17 @@ def supports(q_dtype, head_dim: int) -> bool:
         head_dim in (64, 128)
 
 
-def _named_barrier(op: str = "sync", bar: int = 15):
-    """`bar.<op> <bar>, 256`: a hardware named barrier of both compute warpgroups (256 threads),
-    not a shared-memory one (Mosaic GPU's own warpgroup barriers take ids 1-3). `sync` waits for
-    the 256 arrivals, `arrive` adds 128 and goes on."""
-    @plgpu.inline_mgpu()
-    def bar_op(_):
-        mgpu_utils.inline_ptx(f"bar.{op} {bar}, 256;", has_side_effects=True, convergent=True)
-
-    bar_op()
-
-
-def _named_token(op: str, wg, mine: bool):
-    """`op` on warpgroup `wg`'s own named barrier (14 + wg) or on the other's: a warpgroup
-    waits (`sync`) on its own for the turn the other hands it (`arrive`)."""
+def _named_barrier(op: str, wg, mine: bool):
+    """`bar.<op> <id>, 256` on compute warpgroup `wg`'s own named barrier (id 14 + wg) or on the
+    other's: hardware barriers of both compute warpgroups (256 threads), not shared-memory ones
+    (Mosaic GPU's own warpgroup barriers take ids 1-3). A warpgroup waits (`sync`) at its own for
+    the turn the other hands it (`arrive`: 128 arrivals, and on without waiting)."""
     for w in (0, 1):
-        pl.when(wg == w)(lambda w=w: _named_barrier(op, 14 + (w if mine else 1 - w)))
+        @pl.when(wg == w)
+        @plgpu.inline_mgpu()
+        def bar_op(_, w=w):
+            mgpu_utils.inline_ptx(f"bar.{op} {14 + (w if mine else 1 - w)}, 256;",
+                                  has_side_effects=True, convergent=True)
 
 
 def _segment(cu_ref, j, *, seqs, rows, tile):
@@ -143,8 +139,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
-            tokens):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -155,18 +150,15 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
     n_cta = jnp.minimum(end - r0, jnp.int32(2 * block_q))
     per_block = block_kv // PAGE
 
-    def take_turn():
-        if named:
-            _named_barrier()
-        else:
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+    def take_turn():  # both compute warpgroups meet
+        plgpu.barrier_arrive(turn)
+        plgpu.barrier_wait(turn)
 
-    def await_turn():  # before issuing products: with tokens, wait for this warpgroup's turn
-        _named_token("sync", wg, mine=True) if tokens else take_turn()
+    def await_turn():  # before issuing products: named, wait for this warpgroup's turn
+        _named_barrier("sync", wg, mine=True) if named else take_turn()
 
-    def pass_turn():  # after issuing them: with tokens, hand the turn over and go on
-        _named_token("arrive", wg, mine=False) if tokens else take_turn()
+    def pass_turn():  # after issuing them: named, hand the turn over and go on
+        _named_barrier("arrive", wg, mine=False) if named else take_turn()
 
     def own_rows():
         rw = r0 + wg * block_q
@@ -273,7 +265,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     p16 = p.astype(dtype)
                     acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    if named:  # a named barrier has no arrive now, wait later
+                    if named:  # a turn handed over is awaited at once
                         plgpu.barrier_wait(v_ready.at[slot])
                         await_turn()
                     else:
@@ -458,11 +450,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named", "tokens"))
+                                             "overlap", "turns", "named"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool = False, tokens: bool = False) -> jax.Array:
+                    named: bool | None = None) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -478,13 +470,12 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       default until measured faster and tested on the GPU.
     turns: with overlap, the two warpgroups also take turns issuing their products (overlap
       within and between warpgroups, as FlashAttention-3 has both). Experimental too.
-    named: the compute warpgroups meet at a hardware named barrier (`bar.sync`, as
-      FlashAttention-3's turns do) instead of a shared-memory mbarrier; GPU only, the same bits.
-      Experimental: Nsight Compute has the tensor cores idle 37 % of the time, not for memory.
-    tokens: with named, a turn passes one way (FlashAttention-3's scheduler barriers): a
-      warpgroup waits at its own named barrier before issuing its products and, once issued,
-      arrives at the other's without waiting; the rendezvous makes each also wait for the
-      other's softmax. Experimental, GPU only, the same bits.
+    named: the compute warpgroups hand each other the turn at hardware named barriers, one way
+      (FlashAttention-3's scheduler barriers): each waits at its own before issuing its
+      products and, once they are issued, arrives at the other's without waiting. Otherwise
+      (the interpreter, which runs no inline PTX; `overlap`) both meet at a shared-memory
+      mbarrier, and each also waits there for the other's softmax. The same sums either way.
+      Default: on the GPU without overlap.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -503,10 +494,11 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if overlap and interpret:
         raise ValueError("overlap runs on a GPU only: Mosaic GPU's interpreter has neither "
                          "run_state nor a wgmma from registers")
-    if named and interpret:
-        raise ValueError("named runs on a GPU only: the interpreter runs no inline PTX")
-    if tokens and (not named or overlap):
-        raise ValueError("tokens=True goes with named=True and without overlap")
+    if named is None:
+        named = not interpret and not overlap
+    if named and (interpret or overlap):
+        raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX) and "
+                         "without overlap")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")
@@ -515,7 +507,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named), tokens=bool(tokens))
+        named=bool(named))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

@@ -289,4 +289,4 @@ def test_same_kernel_sees_through_moved_lines_and_not_through_a_changed_kernel(t
     default = same_kernel.mosaic_module(now)
     assert "wgmma" in default and "loc(" not in default
     assert same_kernel.mosaic_module(then) == default
-    assert same_kernel.mosaic_module(now, named=True) != default
+    assert same_kernel.mosaic_module(now, named=False) != default
