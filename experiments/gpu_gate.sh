@@ -48,19 +48,24 @@
 #   A="tests/test_attention_hopper.py tests/test_attention.py tests/test_processes.py tests/test_cut.py tests/test_parity.py tests/test_ffi.py"
 #   B="tests/test_attention_pallas.py tests/test_mxfp4.py tests/test_kda.py tests/test_edge.py"
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
-#   TEST_SECONDS=200 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain
+#   TEST_SECONDS=240 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain       (+ prefill of 8k: 438 s)
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
-# They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2) and at `614aef7` (one H200,
-# 2026-12-01, experiments/results/2026-12-01-h200/); rerun them after any change to models/,
+# They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7` and at `6cb5e73`
+# (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
+# prefill rows 438 s, `variant` 283-293 s); rerun them after any change to models/,
 # kernjax/ or csrc/ (for the attention kernel alone, `python experiments/same_kernel.py REV` says
-# whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against the plain turns, all slower: overlap
-# (5-14 %), overlap with turns (35-40 %, `4273ad2`), `queue` (each warpgroup issuing P_t V_t and
-# Q K_{t+1} back to back, same bits, 1-5 %, `852ce3f`, removed). `gemms` (`7eb1c64`): merged GEMMs
+# whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against
+# the plain turns at an mbarrier, all slower: overlap (5-14 %), overlap with turns (35-40 %,
+# `4273ad2`), `queue` (each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits, 1-5 %,
+# `852ce3f`, removed). Faster: the turns one way at named barriers (`named`, the default since
+# `6cb5e73`; +3-6 %, same bits; a rendezvous at one named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs
 # would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
 # kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
 # fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
-# Next for 65 %, on one H200: `gpu_gate.sh variant ncu` (named barriers for the turns, timed and
-# checked; then the kernel's stall reasons per instruction).
+# Next for 65 %, on one H200, in one call: the overlap within each warpgroup with the turns one
+# way (FlashAttention-3's pair; the rendezvous version lost 35-40 %), then the default's stalls:
+#   VARIANT=hopper-overlap-named,hopper-overlap-turns VARIANT_TESTS="gpu and overlap-named" \
+#     gpu_gate.sh variant ncu
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:

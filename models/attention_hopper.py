@@ -322,16 +322,21 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 two warpgroups also alternate (FlashAttention-3 does both): each meets the other
                 right after issuing a step's products, one step apart, so one's softmax runs
                 while the other's products do. Every warpgroup meets the other once per step
-                of the CTA, plus once more, at the start (1) or at the end (0)."""
-                def handover():
+                of the CTA, plus once more, at the start (1) or at the end (0). With `named`,
+                the turn passes one way: awaited before issuing, handed over after."""
+                def handover():  # after issuing products
                     if turns:
-                        take_turn()
+                        pass_turn()
+
+                def before_issue():  # one way (named), a turn is awaited before issuing
+                    if turns and named:
+                        await_turn()
 
                 s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
                                        plgpu.Layout.WGMMA)
                 own_steps = jnp.maximum(kv_steps, 1)
                 if turns:
-                    pl.when(wg == 1)(take_turn)
+                    pl.when(wg == 1)(await_turn)
                 plgpu.barrier_wait(k_ready.at[0])
 
                 def first(ref):
@@ -348,6 +353,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     slot, prev = lax.rem(t, jnp.int32(steps)), lax.rem(t - 1, jnp.int32(steps))
                     plgpu.barrier_wait(k_ready.at[slot])
                     plgpu.barrier_wait(v_ready.at[prev])
+                    before_issue()
 
                     def body(refs):
                         s_ref, o_ref, p_ref, m_ref, l_ref, a_ref = refs
@@ -378,6 +384,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.wgmma(ref, p16, v_smem.at[slot])
                     handover()
 
+                before_issue()
                 acc = pl.run_state(values)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(v_free.at[slot])
 
@@ -388,10 +395,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.barrier_wait(v_ready.at[slot])
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[slot])
+                    before_issue()
                     handover()
 
                 if turns:
-                    pl.when(wg == 0)(take_turn)
+                    pl.when(wg == 0)(await_turn)
                 return acc, l
 
             acc, l = (overlapped if overlap else pingpong)(acc, m, l)
@@ -469,13 +477,14 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       interpreter runs neither `run_state` nor a product from registers). Experimental: not the
       default until measured faster and tested on the GPU.
     turns: with overlap, the two warpgroups also take turns issuing their products (overlap
-      within and between warpgroups, as FlashAttention-3 has both). Experimental too.
+      within and between warpgroups, as FlashAttention-3 has both). Experimental too; with
+      `named=True`, the turns pass one way as below (not yet run on a GPU).
     named: the compute warpgroups hand each other the turn at hardware named barriers, one way
       (FlashAttention-3's scheduler barriers): each waits at its own before issuing its
       products and, once they are issued, arrives at the other's without waiting. Otherwise
       (the interpreter, which runs no inline PTX; `overlap`) both meet at a shared-memory
       mbarrier, and each also waits there for the other's softmax. The same sums either way.
-      Default: on the GPU without overlap.
+      Default: on the GPU without overlap. With overlap it needs turns.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -496,9 +505,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          "run_state nor a wgmma from registers")
     if named is None:
         named = not interpret and not overlap
-    if named and (interpret or overlap):
-        raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX) and "
-                         "without overlap")
+    if named and (interpret or (overlap and not turns)):
+        raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX), and "
+                         "with overlap only with turns")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")
