@@ -39,13 +39,15 @@ SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
 # overlap, experimental; GPU only); hopper-overlap-turns: with `turns=True` too (the two
 # warpgroups also alternate, as in FlashAttention-3); hopper-mbarrier: `named=False` (the
 # warpgroups meet at a shared-memory mbarrier, the default until `3775424`; the same bits);
-# hopper-overlap-named: overlap with turns handed over one way at named barriers.
+# hopper-overlap-named: overlap with turns handed over one way at named barriers; hopper-queue:
+# `queue=True` (a warpgroup's P_t V_t and Q K_{t+1} issued back to back, the turn one way).
 CONFIGS = {
     "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
     "hopper-mbarrier": [(64, 128, 2)],
     "hopper-overlap": [(64, 128, 2), (64, 64, 3), (64, 64, 4)],
     "hopper-overlap-turns": [(64, 128, 2), (64, 64, 3)],
     "hopper-overlap-named": [(64, 128, 2), (64, 64, 3)],
+    "hopper-queue": [(64, 128, 2), (64, 64, 3)],
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
 }
@@ -55,6 +57,7 @@ NAMES = {"hopper": ("block_q", "block_kv", "steps"),
          "hopper-overlap": ("block_q", "block_kv", "steps"),
          "hopper-overlap-turns": ("block_q", "block_kv", "steps"),
          "hopper-overlap-named": ("block_q", "block_kv", "steps"),
+         "hopper-queue": ("block_q", "block_kv", "steps"),
          "triton": ("block_q", "block_k", "num_warps", "num_stages")}
 
 
@@ -70,6 +73,8 @@ def kernel_fn(kernel, config, scale, interpret):
             kw["named"] = False
         if kernel == "hopper-overlap-named":
             kw.update(turns=True, named=True)
+        if kernel == "hopper-queue":
+            kw["queue"] = True
         return jax.jit(lambda *x: attention_hopper.chunk_attention(*x, scale=scale, **kw))
     return jax.jit(lambda *x: attention_pallas.chunk_attention(
         *x, scale=scale, interpret=interpret, **kw))
@@ -114,8 +119,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="hopper,triton",
                     help="comma-separated: hopper, hopper-mbarrier, hopper-overlap, "
-                    "hopper-overlap-turns, hopper-overlap-named (the last four experimental), "
-                    "triton")
+                    "hopper-overlap-turns, hopper-overlap-named, hopper-queue (the last five "
+                    "experimental), triton")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
     ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2 (one kernel)")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")

@@ -57,15 +57,17 @@
 # whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against
 # the plain turns at an mbarrier, all slower: overlap (5-14 %), overlap with turns (35-40 %,
 # `4273ad2`), `queue` (each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits, 1-5 %,
-# `852ce3f`, removed). Faster: the turns one way at named barriers (`named`, the default since
+# `852ce3f`; back since `cf202a4`'s successor with the turns one way, not yet run). Faster: the turns one way at named barriers (`named`, the default since
 # `6cb5e73`; +3-6 %, same bits; a rendezvous at one named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs
 # would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
 # kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
 # fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
-# Next for 65 %, on one H200, in one call: the overlap within each warpgroup with the turns one
-# way (FlashAttention-3's pair; the rendezvous version lost 35-40 %), then the default's stalls:
-#   VARIANT=hopper-overlap-named,hopper-overlap-turns VARIANT_TESTS="gpu and overlap-named" \
-#     gpu_gate.sh variant ncu
+# Next for 65 %, on one H200, in one call (~300 s): the overlap within each warpgroup with the
+# turns one way (FlashAttention-3's pair; with the rendezvous it lost 35-40 %) and `queue` with
+# the turns one way (the turn passes before the products are waited for):
+#   VARIANT=hopper-overlap-named,hopper-queue VARIANT_TESTS="gpu and (overlap-named or queue)" \
+#     gpu_gate.sh variant
+# then, in a call of its own, the default's stalls: `gpu_gate.sh ncu`.
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:

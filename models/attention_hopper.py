@@ -139,7 +139,8 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
+            queue):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -313,6 +314,75 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 pl.when(wg == 0)(pass_turn)
                 return acc, l
 
+            def queued(acc, m, l):
+                """`pingpong` with a warpgroup's products of a turn issued back to back: the
+                values product of step t and the scores product of step t+1 go to the tensor
+                cores together, and the turn passes before they are waited for (`pingpong`
+                waits for P_t V_t before it issues Q K_{t+1} and hands the turn over). The same
+                sums in the same order, so the same bits as `pingpong`. A warpgroup without rows
+                runs step 0 for nothing (it stores nothing) and drains the rest; the last step
+                always masks (the same bits for a visible key). With the mbarrier rendezvous
+                it was 1-5 % slower (`852ce3f`); experimental with the turns one way."""
+                own_steps = jnp.maximum(kv_steps, 1)
+                s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
+                                       plgpu.Layout.WGMMA)
+                pl.when(wg == 1)(await_turn)
+                plgpu.barrier_wait(k_ready.at[0])
+
+                def first(ref):
+                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
+                    pass_turn()
+                    return ref[...]
+
+                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[0])
+
+                def step(t, carry, masked, last=False):
+                    acc, m, l, qk = carry
+                    slot, nxt = lax.rem(t, jnp.int32(steps)), lax.rem(t + 1, jnp.int32(steps))
+                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    p16 = p.astype(dtype)
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    await_turn()
+                    if masked:
+                        pl.when(n > 0)(lambda: zero_values_past_the_tile(t, slot))
+
+                    def products(refs):
+                        o_ref, s_ref = refs
+                        plgpu.wgmma(o_ref, p16, v_smem.at[slot])
+                        if not last:
+                            plgpu.barrier_wait(k_ready.at[nxt])
+                            plgpu.wgmma(s_ref, qo, k_smem.at[nxt].transpose((1, 0)))
+                        pass_turn()
+
+                    acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(s0)))
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    if not last:
+                        plgpu.barrier_arrive(k_free.at[nxt])
+                    return acc, m_new, l, qk
+
+                split = jnp.minimum(n_full, own_steps - 1)
+                carry = lax.fori_loop(0, split, functools.partial(step, masked=False),
+                                      (acc, m, l, qk))
+                carry = lax.fori_loop(split, own_steps - 1, functools.partial(step, masked=True),
+                                      carry)
+                acc, m, l, _ = step(own_steps - 1, carry, masked=True, last=True)
+
+                def drain(t, _):
+                    slot = lax.rem(t, jnp.int32(steps))
+                    plgpu.barrier_wait(k_ready.at[slot])
+                    plgpu.barrier_wait(v_ready.at[slot])
+                    plgpu.barrier_arrive(k_free.at[slot])
+                    plgpu.barrier_arrive(v_free.at[slot])
+                    await_turn()
+                    pass_turn()
+
+                lax.fori_loop(own_steps, cta_steps, drain, None)
+                pl.when(wg == 0)(await_turn)  # the turn WG 1 handed over last
+                return acc, l
+
             def overlapped(acc, m, l):
                 """Each warpgroup on its own, its softmax of step t running while its product
                 of step t-1's probabilities with the values does (FlashAttention-3's
@@ -402,7 +472,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     pl.when(wg == 0)(await_turn)
                 return acc, l
 
-            acc, l = (overlapped if overlap else pingpong)(acc, m, l)
+            schedule = overlapped if overlap else queued if queue else pingpong
+            acc, l = schedule(acc, m, l)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -458,11 +529,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named"))
+                                             "overlap", "turns", "named", "queue"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool | None = None) -> jax.Array:
+                    named: bool | None = None, queue: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -485,6 +556,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       (the interpreter, which runs no inline PTX; `overlap`) both meet at a shared-memory
       mbarrier, and each also waits there for the other's softmax. The same sums either way.
       Default: on the GPU without overlap. With overlap it needs turns.
+    queue: without overlap, each warpgroup issues step t's values product and step t+1's
+      scores product back to back and hands the turn over before waiting for them (`queued`);
+      the same bits. Experimental, GPU only (the interpreter runs no `run_state`).
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -505,6 +579,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          "run_state nor a wgmma from registers")
     if named is None:
         named = not interpret and not overlap
+    if queue and (interpret or overlap):
+        raise ValueError("queue runs on a GPU only, without overlap")
     if named and (interpret or (overlap and not turns)):
         raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX), and "
                          "with overlap only with turns")
@@ -516,7 +592,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named))
+        named=bool(named), queue=bool(queue))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

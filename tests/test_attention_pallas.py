@@ -223,9 +223,11 @@ GPU_ITEMS = {
 
 
 KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention}
-VARIANTS = {"hopper-overlap": dict(overlap=True), "hopper-overlap-turns": dict(overlap=True, turns=True),
+VARIANTS = {"hopper-overlap": dict(overlap=True),
+            "hopper-overlap-turns": dict(overlap=True, turns=True),
             "hopper-mbarrier": dict(named=False),
-            "hopper-overlap-named": dict(overlap=True, turns=True, named=True)}
+            "hopper-overlap-named": dict(overlap=True, turns=True, named=True),
+            "hopper-queue": dict(queue=True)}
 TRY_VARIANTS = bool(os.environ.get("KERNJAX_TRY_VARIANTS"))
 if TRY_VARIANTS:  # experiments/gpu_gate.sh variant: the experiments' checks, in a device call of
     # their own (a kernel that deadlocks must not take the gates along)
@@ -258,6 +260,17 @@ def test_gpu_hopper_turns_at_named_barriers_or_an_mbarrier_give_the_same_bits(na
     args = _gpu_item(len(name), *GPU_ITEMS[name])
     outs = [attention_hopper.chunk_attention(*args, scale=128 ** -0.5, named=named)
             for named in (True, False)]
+    assert np.asarray(outs[0]).tobytes() == np.asarray(outs[1]).tobytes()
+
+
+@gpu
+@pytest.mark.skipif(not TRY_VARIANTS, reason="an experiment: experiments/gpu_gate.sh variant")
+@pytest.mark.parametrize("name", list(GPU_ITEMS))
+def test_gpu_hopper_queued_turns_give_the_default_bits(name):
+    """`queue` only changes when the products are issued and waited for, not the sums."""
+    args = _gpu_item(len(name), *GPU_ITEMS[name])
+    outs = [attention_hopper.chunk_attention(*args, scale=128 ** -0.5, queue=queue)
+            for queue in (False, True)]
     assert np.asarray(outs[0]).tobytes() == np.asarray(outs[1]).tobytes()
 
 
