@@ -57,10 +57,10 @@
 # whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against
 # the plain turns at an mbarrier, all slower: overlap (5-14 %), overlap with turns (35-40 %,
 # `4273ad2`), `queue` (each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits, 1-5 %,
-# `852ce3f`; back in `d877547` with the turns one way, not yet run). Faster: the turns one way at named barriers (`named`, the default since
-# `6cb5e73`; +3-6 %, same bits; a rendezvous at one named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs
-# would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at best): 65 % needs a faster attention
-# kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
+# `852ce3f`; back in `d877547` with the turns one way, not yet run). Faster: the turns one way at
+# named barriers (`named`, the default since `6cb5e73`; +3-6 %, same bits; a rendezvous at one
+# named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of the 133.7 at 8k
+# in one chunk (61 % at best): 65 % needs a faster attention kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
 # fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
 # Next for 65 %, on one H200, in one call (~300 s): the overlap within each warpgroup with the
 # turns one way (FlashAttention-3's pair; with the rendezvous it lost 35-40 %) and `queue` with
