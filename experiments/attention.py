@@ -122,7 +122,7 @@ def main():
                     "hopper-overlap-turns, hopper-overlap-named, hopper-queue (the last five "
                     "experimental), triton")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
-    ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2 (one kernel)")
+    ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2, for each kernel")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--inner", type=int, default=5, help="calls per timed rep")
@@ -140,9 +140,14 @@ def main():
         cases = [tuple(int(x) for x in p.split(":")) for p in a.cases.split(",")]
     kernels = a.kernel.split(",")
     table = SMALL_CONFIGS if a.small else CONFIGS
-    configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.config:
-        configs = [(kernels[0], tuple(int(x) for x in a.config.split(",")))]
+        config = tuple(int(x) for x in a.config.split(","))
+        configs = [(kn, config) for kn in kernels]
+        if any(len(config) != len(NAMES[kn]) for kn in kernels):
+            ap.error(f"--config {a.config}: " + "; ".join(
+                f"{kn} takes {','.join(NAMES[kn])}" for kn in kernels))
+    else:
+        configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
