@@ -209,6 +209,30 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                                   plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA)
 
+            def release(t):
+                """A step this warpgroup's rows do not need: its keys and values waited for
+                (every phase of a barrier waited on is observed: the interpreter checks it)
+                and released."""
+                slot = lax.rem(t, jnp.int32(steps))
+                plgpu.barrier_wait(k_ready.at[slot])
+                plgpu.barrier_wait(v_ready.at[slot])
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+
+            def first_scores(after_issue):
+                """Step 0's scores, for the schedules that issue a step's scores product ahead
+                (`queued`, `overlapped`); `after_issue` runs once it is issued."""
+                plgpu.barrier_wait(k_ready.at[0])
+
+                def first(ref):
+                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
+                    after_issue()
+                    return ref[...]
+
+                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[0])
+                return qk
+
             def zero_values_past_the_tile(t, slot):
                 """On the CTA's last step, the value rows past its last position: a page's
                 unused slots may hold anything, and 0 * NaN is not 0."""
@@ -298,12 +322,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.barrier_arrive(v_free.at[slot])
                     return acc, m_new, l
 
-                def drain(t, _):  # steps this warpgroup's rows do not need: release them
-                    slot = lax.rem(t, jnp.int32(steps))
-                    plgpu.barrier_wait(k_ready.at[slot])  # (every phase of a barrier waited on
-                    plgpu.barrier_wait(v_ready.at[slot])  # is observed: the interpreter checks it)
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                def drain(t, _):  # steps this warpgroup's rows do not need
+                    release(t)
                     pass_turn()
                     await_turn()
 
@@ -327,15 +347,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
                                        plgpu.Layout.WGMMA)
                 pl.when(wg == 1)(await_turn)
-                plgpu.barrier_wait(k_ready.at[0])
-
-                def first(ref):
-                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
-                    pass_turn()
-                    return ref[...]
-
-                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[0])
+                qk = first_scores(pass_turn)
 
                 def step(t, carry, masked, last=False):
                     acc, m, l, qk = carry
@@ -371,11 +383,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 acc, m, l, _ = step(own_steps - 1, carry, masked=True, last=True)
 
                 def drain(t, _):
-                    slot = lax.rem(t, jnp.int32(steps))
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    release(t)
                     await_turn()
                     pass_turn()
 
@@ -407,15 +415,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 own_steps = jnp.maximum(kv_steps, 1)
                 if turns:
                     pl.when(wg == 1)(await_turn)
-                plgpu.barrier_wait(k_ready.at[0])
-
-                def first(ref):
-                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
-                    handover()
-                    return ref[...]
-
-                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[0])
+                qk = first_scores(handover)
                 p, m, l, _ = softmax(qk, 0, m, l, True)
 
                 def step(t, carry, masked):
@@ -460,11 +460,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                 @pl.loop(own_steps, cta_steps)
                 def _drain(t):
-                    slot = lax.rem(t, jnp.int32(steps))
-                    plgpu.barrier_wait(k_ready.at[slot])
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
+                    release(t)
                     before_issue()
                     handover()
 
