@@ -551,7 +551,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       products and, once they are issued, arrives at the other's without waiting. Otherwise
       (the interpreter, which runs no inline PTX; `overlap`) both meet at a shared-memory
       mbarrier, and each also waits there for the other's softmax. The same sums either way.
-      Default: on the GPU without overlap. With overlap it needs turns.
+      Default: on the GPU without overlap. With overlap it needs turns. The hand-overs of
+      each schedule are modelled and checked in `experiments/turns_model.py`: change both.
     queue: without overlap, each warpgroup issues step t's values product and step t+1's
       scores product back to back and hands the turn over before waiting for them (`queued`);
       the same bits. Experimental, GPU only (the interpreter runs no `run_state`).
