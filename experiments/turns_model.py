@@ -58,10 +58,14 @@ def pingpong(w: int, kv: int, cta: int) -> list[tuple]:
     return ops + ([_arrive(w)] if w == 0 else [])
 
 
+def _first_scores(w) -> list[tuple]:  # queued, overlapped: step 0's scores, issued ahead
+    return ([_sync(w)] if w == 1 else []) + [("wait_ready", "k", 0), ("issue", w, "qk", 0),
+                                             _arrive(w), ("free", "k", 0)]
+
+
 def queued(w: int, kv: int, cta: int) -> list[tuple]:
     own = max(kv, 1)
-    ops = [_sync(w)] if w == 1 else []
-    ops += [("wait_ready", "k", 0), ("issue", w, "qk", 0), _arrive(w), ("free", "k", 0)]
+    ops = _first_scores(w)
     for t in range(own):
         last = t == own - 1
         ops += [("wait_ready", "v", t), _sync(w), ("issue", w, "pv", t)]
@@ -75,8 +79,7 @@ def queued(w: int, kv: int, cta: int) -> list[tuple]:
 
 def overlapped(w: int, kv: int, cta: int) -> list[tuple]:
     own = max(kv, 1)
-    ops = [_sync(w)] if w == 1 else []
-    ops += [("wait_ready", "k", 0), ("issue", w, "qk", 0), _arrive(w), ("free", "k", 0)]
+    ops = _first_scores(w)
     for t in range(1, own):
         ops += [("wait_ready", "k", t), ("wait_ready", "v", t - 1), _sync(w), ("issue", w, "qk", t),
                 ("issue", w, "pv", t - 1), _arrive(w), ("free", "k", t), ("free", "v", t - 1)]
