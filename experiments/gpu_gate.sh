@@ -62,12 +62,12 @@
 # named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of the 133.7 at 8k
 # in one chunk (61 % at best): 65 % needs a faster attention kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
 # fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
-# Next for 65 %, on one H200, in one call (~300 s): the overlap within each warpgroup with the
+# Next for 65 %, on one H200, in one call (~330 s): the overlap within each warpgroup with the
 # turns one way (FlashAttention-3's pair; with the rendezvous it lost 35-40 %) and `queue` with
-# the turns one way (the turn passes before the products are waited for):
+# the turns one way (the turn passes before the products are waited for), then the default's
+# stalls (`ncu` took 26 s at `737bc1a`); their hand-overs pass experiments/turns_model.py:
 #   VARIANT=hopper-overlap-named,hopper-queue VARIANT_TESTS="gpu and (overlap-named or queue)" \
-#     gpu_gate.sh variant
-# then, in a call of its own, the default's stalls: `gpu_gate.sh ncu`.
+#     gpu_gate.sh variant ncu
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:
