@@ -35,29 +35,18 @@ SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
 # Per kernel, its configs; the first is the kernel's default.
 # hopper: (block_q per compute warpgroup, block_kv, steps of keys/values in shared memory).
 # triton: (block_q, block_k, num_warps, num_stages); for H/KV = 4 the tile is 4 * block_q tall.
-# hopper-overlap: the same kernel with `overlap=True` (FlashAttention-3's intra-warpgroup
-# overlap, experimental; GPU only); hopper-overlap-turns: with `turns=True` too (the two
-# warpgroups also alternate, as in FlashAttention-3); hopper-mbarrier: `named=False` (the
-# warpgroups meet at a shared-memory mbarrier, the default until `3775424`; the same bits);
-# hopper-overlap-named: overlap with turns handed over one way at named barriers; hopper-queue:
-# `queue=True` (a warpgroup's P_t V_t and Q K_{t+1} issued back to back, the turn one way).
+# hopper-<name>: the kernel with the experimental options attention_hopper.VARIANTS[name]
+# (mbarrier: the turns at a shared-memory mbarrier, the default until `3775424`; overlap,
+# overlap-turns, overlap-named: FlashAttention-3's intra-warpgroup overlap, alone, with the turns
+# at an mbarrier, with the turns one way; queue: P_t V_t and Q K_{t+1} issued back to back).
 CONFIGS = {
     "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
-    "hopper-mbarrier": [(64, 128, 2)],
-    "hopper-overlap": [(64, 128, 2), (64, 64, 3), (64, 64, 4)],
-    "hopper-overlap-turns": [(64, 128, 2), (64, 64, 3)],
-    "hopper-overlap-named": [(64, 128, 2), (64, 64, 3)],
-    "hopper-queue": [(64, 128, 2), (64, 64, 3)],
+    **{f"hopper-{v}": [(64, 128, 2), (64, 64, 3)] for v in attention_hopper.VARIANTS},
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
 }
 SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)]}
-NAMES = {"hopper": ("block_q", "block_kv", "steps"),
-         "hopper-mbarrier": ("block_q", "block_kv", "steps"),
-         "hopper-overlap": ("block_q", "block_kv", "steps"),
-         "hopper-overlap-turns": ("block_q", "block_kv", "steps"),
-         "hopper-overlap-named": ("block_q", "block_kv", "steps"),
-         "hopper-queue": ("block_q", "block_kv", "steps"),
+NAMES = {**{k: ("block_q", "block_kv", "steps") for k in CONFIGS if k.startswith("hopper")},
          "triton": ("block_q", "block_k", "num_warps", "num_stages")}
 
 
@@ -67,14 +56,7 @@ def kernel_fn(kernel, config, scale, interpret):
         if interpret:
             from jax.experimental.pallas import mosaic_gpu as plgpu
             kw["interpret"] = plgpu.InterpretGPUParams()
-        kw["overlap"] = kernel.startswith("hopper-overlap")
-        kw["turns"] = kernel == "hopper-overlap-turns"
-        if kernel == "hopper-mbarrier":
-            kw["named"] = False
-        if kernel == "hopper-overlap-named":
-            kw.update(turns=True, named=True)
-        if kernel == "hopper-queue":
-            kw["queue"] = True
+        kw.update(attention_hopper.VARIANTS.get(kernel.removeprefix("hopper-"), {}))
         return jax.jit(lambda *x: attention_hopper.chunk_attention(*x, scale=scale, **kw))
     return jax.jit(lambda *x: attention_pallas.chunk_attention(
         *x, scale=scale, interpret=interpret, **kw))
@@ -118,9 +100,8 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kernel", default="hopper,triton",
-                    help="comma-separated: hopper, hopper-mbarrier, hopper-overlap, "
-                    "hopper-overlap-turns, hopper-overlap-named, hopper-queue (the last five "
-                    "experimental), triton")
+                    help="comma-separated: hopper, triton, or an experimental hopper-<name> "
+                    f"({', '.join(attention_hopper.VARIANTS)})")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
     ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2, for each kernel")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")

@@ -53,6 +53,12 @@ from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 PAGE = 16
+# The experimental options by name (`experiments/attention.py --kernel hopper-<name>`, the GPU
+# tests under KERNJAX_TRY_VARIANTS, `gpu_gate.sh variant`); `chunk_attention`'s doc says each.
+VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
+            "overlap-turns": dict(overlap=True, turns=True),
+            "overlap-named": dict(overlap=True, turns=True, named=True),
+            "queue": dict(queue=True)}
 
 
 def _unnumbered_kernel_modules() -> None:

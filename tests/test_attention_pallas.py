@@ -223,11 +223,7 @@ GPU_ITEMS = {
 
 
 KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention}
-VARIANTS = {"hopper-overlap": dict(overlap=True),
-            "hopper-overlap-turns": dict(overlap=True, turns=True),
-            "hopper-mbarrier": dict(named=False),
-            "hopper-overlap-named": dict(overlap=True, turns=True, named=True),
-            "hopper-queue": dict(queue=True)}
+VARIANTS = {f"hopper-{k}": kw for k, kw in attention_hopper.VARIANTS.items()}
 TRY_VARIANTS = bool(os.environ.get("KERNJAX_TRY_VARIANTS"))
 if TRY_VARIANTS:  # experiments/gpu_gate.sh variant: the experiments' checks, in a device call of
     # their own (a kernel that deadlocks must not take the gates along)
