@@ -28,7 +28,7 @@ from kernjax.models import attention_hopper
 REPO = Path(__file__).resolve().parents[1]
 PATH = "models/attention_hopper.py"
 CONFIGS = {"default": {}, "default, 2048 rows": {"rows": 2048},
-           "overlap, turns": {"overlap": True, "turns": True}}
+           "overlap, turns": attention_hopper.VARIANTS["overlap-turns"]}
 
 
 def _load(path: Path):

@@ -235,9 +235,9 @@ def test_peritem_and_gemms_run_on_the_cpu():
     on the CPU no program, whole or stage, plain or with edge ops, copies a state; peritem's
     `--issue` times each case's issue with numpy and with device operands."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    for args, rows, ms in ((["peritem.py", "--configs", "1:256,4:512", "--chunk", "32",
-                             "--iters", "1", "--stages", "--issue", "3"], 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"],
-                                                       6, -3)):
+    peritem = ["peritem.py", "--configs", "1:256,4:512", "--chunk", "32", "--iters", "1",
+               "--stages", "--issue", "3"]
+    for args, rows, ms in ((peritem, 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"], 6, -3)):
         r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
@@ -312,6 +312,5 @@ def test_turns_model_passes_the_kernels_schedules_and_catches_a_broken_handover(
         run(tm.pingpong(0, 3, 3)[:-1])  # no last hand-over: warpgroup 1 waits for ever
     twice = tm.pingpong(0, 3, 3)
     twice.insert(twice.index(("arrive", 15)) + 1, ("arrive", 15))
-    with pytest.raises(AssertionError, match="does not hold|alone"):
-        for _ in range(20):
-            run(list(twice))
+    with pytest.raises(AssertionError, match="does not hold"):  # whatever the interleaving
+        run(twice)
