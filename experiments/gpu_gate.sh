@@ -8,9 +8,12 @@
 #              as text in ncu-details.txt, the stall samples per SASS instruction in ncu-source.csv
 #   variant    experimental: variants of the Hopper kernel ($VARIANT, experiments/attention.py
 #              kernels, comma-separated; default hopper-mbarrier: the turns at a shared-memory
-#              mbarrier, the default before `3775424`) timed beside the default, then the GPU
+#              mbarrier, the default before `3775424`) timed beside the default (and alone
+#              at $VARIANT_CONFIG, default 64,64,3; none if set empty), then the GPU
 #              tests $VARIANT_TESTS selects (tests/test_attention_pallas.py, KERNJAX_TRY_VARIANTS),
 #              each under a timeout, in a call of its own
+#   dump       Mosaic GPU's PTX, ptxas report and SASS of each kernel of $DUMP_KERNELS (default
+#              hopper; experiments/attention.py names) in logs/dump/<kernel>/
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
 #   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
@@ -123,7 +126,9 @@ for step in "$@"; do
     v=${VARIANT:-hopper-mbarrier}
     log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
-    for run in "hopper,$v" "$v --config 64,64,3"; do
+    runs=("hopper,$v")
+    [ -n "${VARIANT_CONFIG-64,64,3}" ] && runs+=("$v --config ${VARIANT_CONFIG-64,64,3}")
+    for run in "${runs[@]}"; do
       timeout 120 python experiments/attention.py --kernel $run \
         --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/variant-${run%% *}.log" 2>&1
       echo "attention.py --kernel $run: exit $?" | say
@@ -154,6 +159,20 @@ for step in "$@"; do
       echo "ncu source page: $(wc -l < "$OUT/logs/ncu-source.csv") lines in logs/ncu-source.csv" | say
       tail -5 "$OUT/logs/ncu.log" | say
     fi ;;
+  dump)
+    # what Mosaic GPU hands ptxas and what comes out, per kernel ($DUMP_KERNELS): PTX, ptxas's
+    # report (registers, spills, wgmma serialized), SASS; each in a process and a cache of its own
+    # (a cached kernel is not compiled, so not dumped; the kernels share one module name)
+    for k in ${DUMP_KERNELS:-hopper}; do
+      mkdir -p "$OUT/logs/dump/$k"
+      MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 \
+        MOSAIC_GPU_DUMP_TO="$OUT/logs/dump/$k" JAX_COMPILATION_CACHE_DIR="$(mktemp -d)" \
+        timeout 120 python experiments/attention.py --kernel "$k" --cases 2048:8192 --reps 1 \
+        --inner 1 --sets 1 > "$OUT/logs/dump/$k/run.log" 2>&1
+      echo "dump $k: exit $?, $(ls "$OUT/logs/dump/$k" | wc -l) files" | say
+      cat "$OUT/logs/dump/$k"/* 2>/dev/null | grep -aiE "registers|spill|serializ|warning" | sort | uniq -c \
+        | head -12 | say
+    done ;;
   attention)
     log "attention kernel"
     python experiments/attention.py --out "$OUT/logs/attention.json" ${ATTN_FLAGS:-} \

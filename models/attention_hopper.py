@@ -58,7 +58,7 @@ PAGE = 16
 VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
             "overlap-turns": dict(overlap=True, turns=True),
             "overlap-named": dict(overlap=True, turns=True, named=True),
-            "queue": dict(queue=True)}
+            "queue": dict(queue=True), "late-sum": dict(late_sum=True)}
 
 
 def _unnumbered_kernel_modules() -> None:
@@ -146,7 +146,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
             groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
-            queue):
+            queue, late_sum):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -254,8 +254,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     plgpu.commit_smem()
 
             def softmax(qk, t, m, l, masked):
-                """Row maxima, probabilities (in q's dtype), row sums and the factor that
-                rescales what came before, for the scores of step t."""
+                """Row maxima, probabilities (float32), row sums and the factor that rescales
+                what came before, for the scores of step t; with `l` None, no row sums."""
                 if masked:
                     qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
                                                 layout=plgpu.Layout.WGMMA)
@@ -265,7 +265,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-                return p, m_new, l * alpha + p.sum(axis=1), alpha
+                return p, m_new, None if l is None else row_sums(l, alpha, p), alpha
+
+            def row_sums(l, alpha, p):
+                return l * alpha + p.sum(axis=1)
 
             def pingpong(acc, m, l):
                 """The two compute warpgroups take turns on the tensor cores: one's softmax runs
@@ -292,10 +295,14 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                     qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
+                    l_old = l
+                    p, m_new, l, alpha = softmax(qk, t, m, None if late_sum else l, masked)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     p16 = p.astype(dtype)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    if late_sum:
+                        acc, m_new, p16 = lax.optimization_barrier((acc, m_new, p16))
+                    else:
+                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                     if named:  # a turn handed over is awaited at once
                         plgpu.barrier_wait(v_ready.at[slot])
                         await_turn()
@@ -323,6 +330,13 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                         acc = acc + pl.run_scoped(values_from_smem,
                                                   plgpu.ACC((block_q, d), jnp.float32))
+                    elif late_sum:  # the row sums while the values product runs
+                        def values_then_sums(refs):
+                            o_ref, l_ref = refs
+                            values(o_ref)
+                            l_ref[...] = row_sums(l_old, alpha, p)
+
+                        acc, l = pl.run_state(values_then_sums)((plgpu.ACC.init(acc), l_old))
                     else:
                         acc = pl.run_state(values)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -531,11 +545,13 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named", "queue"))
+                                             "overlap", "turns", "named", "queue",
+                                             "late_sum"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool | None = None, queue: bool = False) -> jax.Array:
+                    named: bool | None = None, queue: bool = False,
+                    late_sum: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -562,6 +578,9 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     queue: without overlap, each warpgroup issues step t's values product and step t+1's
       scores product back to back and hands the turn over before waiting for them (`queued`);
       the same bits. Experimental, GPU only (the interpreter runs no `run_state`).
+    late_sum: in the default schedule, a step's row sums are added while its values product
+      runs, not before it is issued (off the path from the scores to the next product); the
+      same bits. Experimental, GPU only.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -584,6 +603,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         named = not interpret and not overlap
     if queue and (interpret or overlap):
         raise ValueError("queue runs on a GPU only, without overlap")
+    if late_sum and (interpret or overlap or queue):
+        raise ValueError("late_sum runs on a GPU only, in the default schedule")
     if named and (interpret or (overlap and not turns)):
         raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX), and "
                          "with overlap only with turns")
@@ -595,7 +616,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named), queue=bool(queue))
+        named=bool(named), queue=bool(queue), late_sum=bool(late_sum))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (
