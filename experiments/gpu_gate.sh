@@ -169,9 +169,11 @@ for step in "$@"; do
         MOSAIC_GPU_DUMP_TO="$OUT/logs/dump/$k" JAX_COMPILATION_CACHE_DIR="$(mktemp -d)" \
         timeout 120 python experiments/attention.py --kernel "$k" --cases 2048:8192 --reps 1 \
         --inner 1 --sets 1 > "$OUT/logs/dump/$k/run.log" 2>&1
-      echo "dump $k: exit $?, $(ls "$OUT/logs/dump/$k" | wc -l) files" | say
-      cat "$OUT/logs/dump/$k"/* 2>/dev/null | grep -aiE "registers|spill|serializ|warning" | sort | uniq -c \
-        | head -12 | say
+      echo "dump $k: exit $?, $(ls "$OUT/logs/dump/$k" | tr '\n' ' ')" | say
+      # a dump directory gets the MLIR of every pass too (tens of MB, binaries inlined): dropped
+      find "$OUT/logs/dump/$k" -type f ! -iname "*ptx*" ! -iname "*sass*" ! -name run.log -delete
+      grep -ahiE "registers|spill|serializ|warning" "$OUT/logs/dump/$k"/*ptxas* 2>/dev/null \
+        | sort | uniq -c | head -12 | say
     done ;;
   attention)
     log "attention kernel"
