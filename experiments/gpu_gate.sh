@@ -172,7 +172,7 @@ for step in "$@"; do
       echo "dump $k: exit $?, $(ls "$OUT/logs/dump/$k" | tr '\n' ' ')" | say
       # a dump directory gets the MLIR of every pass too (tens of MB, binaries inlined): dropped
       find "$OUT/logs/dump/$k" -type f ! -iname "*ptx*" ! -iname "*sass*" ! -name run.log -delete
-      grep -ahiE "registers|spill|serializ|warning" "$OUT/logs/dump/$k"/*ptxas* 2>/dev/null \
+      grep -ahiE "registers|spill|serializ|warning" "$OUT/logs/dump/$k"/*ptxas* "$OUT/logs/dump/$k/run.log" 2>/dev/null \
         | sort | uniq -c | head -12 | say
     done ;;
   attention)
