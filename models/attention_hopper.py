@@ -451,14 +451,18 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
                         handover()
                         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t, not O
-                        p, m_ref[...], l_ref[...], a_ref[...] = softmax(qk, t, m, l, masked)
-                        p_ref[...] = p.astype(dtype)
+                        p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
+                            qk, t, m, l, masked)
 
-                    _, acc, p16, m, l, alpha = pl.run_state(body)(
-                        (plgpu.ACC.init(s0), plgpu.ACC.init(acc), p16, m, l, m))
+                    # P_t leaves in float32 and becomes bf16 once O's product is done: converted
+                    # inside, it went into the registers P_{t-1} V_{t-1} was still reading, and
+                    # ptxas serialized every wgmma of the kernel (C7513; 35-40 % slower)
+                    _, acc, p, m, l, alpha = pl.run_state(body)(
+                        (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[prev])
-                    return acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l, p16
+                    return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l,
+                            p.astype(dtype))
 
                 split = jnp.maximum(n_full, 1)
                 carry = lax.fori_loop(1, split, functools.partial(step, masked=False),
