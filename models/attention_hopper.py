@@ -58,7 +58,10 @@ PAGE = 16
 VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
             "overlap-turns": dict(overlap=True, turns=True),
             "overlap-named": dict(overlap=True, turns=True, named=True),
-            "queue": dict(queue=True), "late-sum": dict(late_sum=True)}
+            "queue": dict(queue=True), "late-sum": dict(late_sum=True),
+            "local-sum": dict(local_sum=True),
+            "local-late": dict(local_sum=True, late_sum=True),
+            "overlap-local": dict(overlap=True, turns=True, named=True, local_sum=True)}
 
 
 def _unnumbered_kernel_modules() -> None:
@@ -111,6 +114,18 @@ def _named_barrier(op: str, wg, mine: bool):
                                   has_side_effects=True, convergent=True)
 
 
+def _columns(x):
+    """`x`'s 8-column slices (a WGMMA tile's width: each thread holds its part of each)."""
+    return [x[:, j:j + 8] for j in range(0, x.shape[1], 8)]
+
+
+def _tree(op, parts):
+    """`op` over `parts` pairwise, in rounds: the dependent chain is log2(len(parts)) long."""
+    while len(parts) > 1:
+        parts = [op(a, b) for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) & ~1:]
+    return parts[0]
+
+
 def _segment(cu_ref, j, *, seqs, rows, tile):
     """(segment, first row, end row) of tile slot j counted from the end of the list of every
     segment's tiles; segment `seqs` is the padding, `seqs + 1` means no tile."""
@@ -146,7 +161,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
             groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
-            queue, late_sum):
+            queue, late_sum, local_sum):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -211,8 +226,9 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                                   plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
-                                  plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA) \
+                if local_sum else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+                                                    plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA)
 
             def release(t):
@@ -262,12 +278,17 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
                                                 layout=plgpu.Layout.WGMMA)
                     qk = jnp.where(qi + pw >= ki + t * block_kv, qk, -jnp.inf)
-                m_new = jnp.maximum(m, qk.max(axis=1) * c)
+                row_max = _tree(jnp.maximum, _columns(qk)).max(axis=1) if local_sum else \
+                    qk.max(axis=1)  # the same bits: a maximum is one in any order
+                m_new = jnp.maximum(m, row_max * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
                 return p, m_new, None if l is None else row_sums(l, alpha, p), alpha
 
             def row_sums(l, alpha, p):
+                if local_sum:  # each thread's own 8-column partial sums, no shuffles
+                    return l * lax.broadcast_in_dim(alpha, l.shape, [0]) + \
+                        _tree(jnp.add, _columns(p))
                 return l * alpha + p.sum(axis=1)
 
             def pingpong(acc, m, l):
@@ -494,6 +515,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
             schedule = overlapped if overlap else queued if queue else pingpong
             acc, l = schedule(acc, m, l)
+            if local_sum:
+                l = l.sum(axis=1)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -550,12 +573,12 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
                                              "overlap", "turns", "named", "queue",
-                                             "late_sum"))
+                                             "late_sum", "local_sum"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
                     named: bool | None = None, queue: bool = False,
-                    late_sum: bool = False) -> jax.Array:
+                    late_sum: bool = False, local_sum: bool = False) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -585,6 +608,10 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     late_sum: in the default schedule, a step's row sums are added while its values product
       runs, not before it is issued (off the path from the scores to the next product); the
       same bits. Experimental, GPU only.
+    local_sum: each thread keeps its own 8-column partial row sums, added pairwise (a tree, not a
+      chain) and reduced across threads once, at the end, as FlashAttention-3 does; the row
+      maxima by a tree too (the same maxima). Other bits than the default (another order of
+      the sums), as deterministic and batch invariant. Experimental.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -620,7 +647,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named), queue=bool(queue), late_sum=bool(late_sum))
+        named=bool(named), queue=bool(queue), late_sum=bool(late_sum),
+        local_sum=bool(local_sum))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (
