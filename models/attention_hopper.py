@@ -480,6 +480,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     # ptxas serialized every wgmma of the kernel (C7513; 35-40 % slower)
                     _, acc, p, m, l, alpha = pl.run_state(body)(
                         (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
+                    # P_{t-1} held to here, past the wait for its product: ptxas gave its
+                    # registers to the softmax's first values, so it waited for O before the
+                    # softmax (ncu: the wait for O 2x the wait for S) and nothing overlapped
+                    _, p = lax.optimization_barrier((p16, p))
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[prev])
                     return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l,
