@@ -38,7 +38,7 @@ SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
 # hopper-<name>: the kernel with the experimental options attention_hopper.VARIANTS[name]
 # (mbarrier: the turns at a shared-memory mbarrier, the default until `3775424`; overlap,
 # overlap-turns, overlap-named: FlashAttention-3's intra-warpgroup overlap, alone, with the turns
-# at an mbarrier, with the turns one way; queue: P_t V_t and Q K_{t+1} issued back to back).
+# at an mbarrier, with the turns one way).
 CONFIGS = {
     "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
     **{f"hopper-{v}": [(64, 128, 2), (64, 64, 3)] for v in attention_hopper.VARIANTS},

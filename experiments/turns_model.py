@@ -1,6 +1,6 @@
 """A model of how the Hopper attention kernel's warpgroups synchronize, checked under random
-interleavings: for each schedule of `models/attention_hopper.py` (`pingpong`, `queued`,
-`overlapped` with `turns`) and the turns one way at named barriers (`named`), the sequence of
+interleavings: for each schedule of `models/attention_hopper.py` (`pingpong`, `overlapped`
+with `turns`) and the turns one way at named barriers (`named`), the sequence of
 barrier operations each warpgroup runs, with the memory warpgroup's ring of `steps` slots.
 
 It checks what a GPU run shows only as a hang or wrong bits: no deadlock; a named barrier's phase
@@ -58,23 +58,9 @@ def pingpong(w: int, kv: int, cta: int) -> list[tuple]:
     return ops + ([_arrive(w)] if w == 0 else [])
 
 
-def _first_scores(w) -> list[tuple]:  # queued, overlapped: step 0's scores, issued ahead
+def _first_scores(w) -> list[tuple]:  # overlapped: step 0's scores, issued ahead
     return ([_sync(w)] if w == 1 else []) + [("wait_ready", "k", 0), ("issue", w, "qk", 0),
                                              _arrive(w), ("free", "k", 0)]
-
-
-def queued(w: int, kv: int, cta: int) -> list[tuple]:
-    own = max(kv, 1)
-    ops = _first_scores(w)
-    for t in range(own):
-        last = t == own - 1
-        ops += [("wait_ready", "v", t), _sync(w), ("issue", w, "pv", t)]
-        if not last:
-            ops += [("wait_ready", "k", t + 1), ("issue", w, "qk", t + 1)]
-        ops += [_arrive(w), ("free", "v", t)] + ([] if last else [("free", "k", t + 1)])
-    for t in range(own, cta):
-        ops += _release(t) + [_sync(w), _arrive(w)]
-    return ops + ([_sync(w)] if w == 0 else [])
 
 
 def overlapped(w: int, kv: int, cta: int) -> list[tuple]:
@@ -91,7 +77,7 @@ def overlapped(w: int, kv: int, cta: int) -> list[tuple]:
     return ops + ([_sync(w)] if w == 0 else [])
 
 
-SCHEDULES = {"pingpong": pingpong, "queued": queued, "overlapped": overlapped}
+SCHEDULES = {"pingpong": pingpong, "overlapped": overlapped}
 
 
 def run(programs: list[list[tuple]], rng: random.Random) -> list[tuple]:
@@ -168,7 +154,7 @@ def check(schedule: str, *, max_steps: int = 8, steps: int = 2, trials: int = 30
                 continue
             for _ in range(trials):
                 issued = run([memory(cta, steps), sched(0, kv0, cta), sched(1, kv1, cta)], rng)
-                # (queued and overlapped run step 0 for a warpgroup without rows)
+                # (overlapped runs step 0 for a warpgroup without rows)
                 want = {(w, kind, t) for w, kv in ((0, kv0), (1, kv1))
                         for t in range(kv if schedule == "pingpong" else max(kv, 1))
                         for kind in ("qk", "pv")}

@@ -57,11 +57,7 @@ PAGE = 16
 # tests under KERNJAX_TRY_VARIANTS, `gpu_gate.sh variant`); `chunk_attention`'s doc says each.
 VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
             "overlap-turns": dict(overlap=True, turns=True),
-            "overlap-named": dict(overlap=True, turns=True, named=True),
-            "queue": dict(queue=True), "late-sum": dict(late_sum=True),
-            "local-sum": dict(local_sum=True),
-            "local-late": dict(local_sum=True, late_sum=True),
-            "overlap-local": dict(overlap=True, turns=True, named=True, local_sum=True)}
+            "overlap-named": dict(overlap=True, turns=True, named=True)}
 
 
 def _unnumbered_kernel_modules() -> None:
@@ -114,18 +110,6 @@ def _named_barrier(op: str, wg, mine: bool):
                                   has_side_effects=True, convergent=True)
 
 
-def _columns(x):
-    """`x`'s 8-column slices (a WGMMA tile's width: each thread holds its part of each)."""
-    return [x[:, j:j + 8] for j in range(0, x.shape[1], 8)]
-
-
-def _tree(op, parts):
-    """`op` over `parts` pairwise, in rounds: the dependent chain is log2(len(parts)) long."""
-    while len(parts) > 1:
-        parts = [op(a, b) for a, b in zip(parts[::2], parts[1::2])] + parts[len(parts) & ~1:]
-    return parts[0]
-
-
 def _segment(cu_ref, j, *, seqs, rows, tile):
     """(segment, first row, end row) of tile slot j counted from the end of the list of every
     segment's tiles; segment `seqs` is the padding, `seqs + 1` means no tile."""
@@ -160,8 +144,7 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
-            queue, late_sum, local_sum):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -226,9 +209,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
                                   plgpu.Layout.WGMMA.reduce(1))
-            l = plgpu.layout_cast(jnp.zeros((block_q, 8), jnp.float32), plgpu.Layout.WGMMA) \
-                if local_sum else plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
-                                                    plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32),
+                                  plgpu.Layout.WGMMA.reduce(1))
             acc = plgpu.layout_cast(jnp.zeros((block_q, d), jnp.float32), plgpu.Layout.WGMMA)
 
             def release(t):
@@ -242,8 +224,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 plgpu.barrier_arrive(v_free.at[slot])
 
             def first_scores(after_issue):
-                """Step 0's scores, for the schedules that issue a step's scores product ahead
-                (`queued`, `overlapped`); `after_issue` runs once it is issued."""
+                """Step 0's scores, for `overlapped` (it issues a step's scores product ahead);
+                `after_issue` runs once it is issued."""
                 plgpu.barrier_wait(k_ready.at[0])
 
                 def first(ref):
@@ -271,25 +253,17 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
             def softmax(qk, t, m, l, masked):
                 """Row maxima, probabilities (float32), row sums and the factor that rescales
-                what came before, for the scores of step t; with `l` None, no row sums."""
+                what came before, for the scores of step t."""
                 if masked:
                     qi = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 0,
                                                 layout=plgpu.Layout.WGMMA)
                     ki = plgpu.broadcasted_iota(jnp.int32, (block_q, block_kv), 1,
                                                 layout=plgpu.Layout.WGMMA)
                     qk = jnp.where(qi + pw >= ki + t * block_kv, qk, -jnp.inf)
-                row_max = _tree(jnp.maximum, _columns(qk)).max(axis=1) if local_sum else \
-                    qk.max(axis=1)  # the same bits: a maximum is one in any order
-                m_new = jnp.maximum(m, row_max * c)
+                m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
                 p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
-                return p, m_new, None if l is None else row_sums(l, alpha, p), alpha
-
-            def row_sums(l, alpha, p):
-                if local_sum:  # each thread's own 8-column partial sums, no shuffles
-                    return l * lax.broadcast_in_dim(alpha, l.shape, [0]) + \
-                        _tree(jnp.add, _columns(p))
-                return l * alpha + p.sum(axis=1)
+                return p, m_new, l * alpha + p.sum(axis=1), alpha
 
             def pingpong(acc, m, l):
                 """The two compute warpgroups take turns on the tensor cores: one's softmax runs
@@ -316,14 +290,10 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                     qk = pl.run_scoped(scores, plgpu.ACC((block_q, block_kv), jnp.float32))
                     plgpu.barrier_arrive(k_free.at[slot])
-                    l_old = l
-                    p, m_new, l, alpha = softmax(qk, t, m, None if late_sum else l, masked)
+                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     p16 = p.astype(dtype)
-                    if late_sum:
-                        acc, m_new, p16 = lax.optimization_barrier((acc, m_new, p16))
-                    else:
-                        acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
+                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
                     if named:  # a turn handed over is awaited at once
                         plgpu.barrier_wait(v_ready.at[slot])
                         await_turn()
@@ -351,13 +321,6 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
 
                         acc = acc + pl.run_scoped(values_from_smem,
                                                   plgpu.ACC((block_q, d), jnp.float32))
-                    elif late_sum:  # the row sums while the values product runs
-                        def values_then_sums(refs):
-                            o_ref, l_ref = refs
-                            values(o_ref)
-                            l_ref[...] = row_sums(l_old, alpha, p)
-
-                        acc, l = pl.run_state(values_then_sums)((plgpu.ACC.init(acc), l_old))
                     else:
                         acc = pl.run_state(values)(plgpu.ACC.init(acc))
                     plgpu.barrier_arrive(v_free.at[slot])
@@ -375,63 +338,6 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 pl.when(wg == 0)(pass_turn)
                 return acc, l
 
-            def queued(acc, m, l):
-                """`pingpong` with a warpgroup's products of a turn issued back to back: the
-                values product of step t and the scores product of step t+1 go to the tensor
-                cores together, and the turn passes before they are waited for (`pingpong`
-                waits for P_t V_t before it issues Q K_{t+1} and hands the turn over). The same
-                sums in the same order, so the same bits as `pingpong`. A warpgroup without rows
-                runs step 0 for nothing (it stores nothing) and drains the rest; the last step
-                always masks (the same bits for a visible key). With the mbarrier rendezvous
-                it was 1-5 % slower (`852ce3f`); experimental with the turns one way."""
-                own_steps = jnp.maximum(kv_steps, 1)
-                s0 = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32),
-                                       plgpu.Layout.WGMMA)
-                pl.when(wg == 1)(await_turn)
-                qk = first_scores(pass_turn)
-
-                def step(t, carry, masked, last=False):
-                    acc, m, l, qk = carry
-                    slot, nxt = lax.rem(t, jnp.int32(steps)), lax.rem(t + 1, jnp.int32(steps))
-                    p, m_new, l, alpha = softmax(qk, t, m, l, masked)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
-                    acc, l, m_new, p16 = lax.optimization_barrier((acc, l, m_new, p16))
-                    plgpu.barrier_wait(v_ready.at[slot])
-                    await_turn()
-                    if masked:
-                        pl.when(n > 0)(lambda: zero_values_past_the_tile(t, slot))
-
-                    def products(refs):
-                        o_ref, s_ref = refs
-                        plgpu.wgmma(o_ref, p16, v_smem.at[slot])
-                        if not last:
-                            plgpu.barrier_wait(k_ready.at[nxt])
-                            plgpu.wgmma(s_ref, qo, k_smem.at[nxt].transpose((1, 0)))
-                        pass_turn()
-
-                    acc, qk = pl.run_state(products)((plgpu.ACC.init(acc), plgpu.ACC.init(s0)))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    if not last:
-                        plgpu.barrier_arrive(k_free.at[nxt])
-                    return acc, m_new, l, qk
-
-                split = jnp.minimum(n_full, own_steps - 1)
-                carry = lax.fori_loop(0, split, functools.partial(step, masked=False),
-                                      (acc, m, l, qk))
-                carry = lax.fori_loop(split, own_steps - 1, functools.partial(step, masked=True),
-                                      carry)
-                acc, m, l, _ = step(own_steps - 1, carry, masked=True, last=True)
-
-                def drain(t, _):
-                    release(t)
-                    await_turn()
-                    pass_turn()
-
-                lax.fori_loop(own_steps, cta_steps, drain, None)
-                pl.when(wg == 0)(await_turn)  # the turn WG 1 handed over last
-                return acc, l
-
             def overlapped(acc, m, l):
                 """Each warpgroup on its own, its softmax of step t running while its product
                 of step t-1's probabilities with the values does (FlashAttention-3's
@@ -442,7 +348,12 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 right after issuing a step's products, one step apart, so one's softmax runs
                 while the other's products do. Every warpgroup meets the other once per step
                 of the CTA, plus once more, at the start (1) or at the end (0). With `named`,
-                the turn passes one way: awaited before issuing, handed over after."""
+                the turn passes one way: awaited before issuing, handed over after.
+                Slower than `pingpong` (2026-12-01, one H200, `647a0d2`: 462/482/512 against
+                470/521/545 TFLOP/s at 512, 2048, 8192 rows on 8192 keys): ptxas puts the
+                wait for O right after the wait for S_t, before the softmax's first write into
+                registers O's or S_t's products used, so the softmax never overlaps O
+                (docs/lessons.md)."""
                 def handover():  # after issuing products
                     if turns:
                         pass_turn()
@@ -480,10 +391,6 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     # ptxas serialized every wgmma of the kernel (C7513; 35-40 % slower)
                     _, acc, p, m, l, alpha = pl.run_state(body)(
                         (plgpu.ACC.init(s0), plgpu.ACC.init(acc), s0, m, l, m))
-                    # P_{t-1} held to here, past the wait for its product: ptxas gave its
-                    # registers to the softmax's first values, so it waited for O before the
-                    # softmax (ncu: the wait for O 2x the wait for S) and nothing overlapped
-                    _, p = lax.optimization_barrier((p16, p))
                     plgpu.barrier_arrive(k_free.at[slot])
                     plgpu.barrier_arrive(v_free.at[prev])
                     return (acc * lax.broadcast_in_dim(alpha, acc.shape, [0]), m, l,
@@ -517,10 +424,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     pl.when(wg == 0)(await_turn)
                 return acc, l
 
-            schedule = overlapped if overlap else queued if queue else pingpong
+            schedule = overlapped if overlap else pingpong
             acc, l = schedule(acc, m, l)
-            if local_sum:
-                l = l.sum(axis=1)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -576,13 +481,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named", "queue",
-                                             "late_sum", "local_sum"))
+                                             "overlap", "turns", "named"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool | None = None, queue: bool = False,
-                    late_sum: bool = False, local_sum: bool = False) -> jax.Array:
+                    named: bool | None = None) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -606,16 +509,6 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       mbarrier, and each also waits there for the other's softmax. The same sums either way.
       Default: on the GPU without overlap. With overlap it needs turns. The hand-overs of
       each schedule are modelled and checked in `experiments/turns_model.py`: change both.
-    queue: without overlap, each warpgroup issues step t's values product and step t+1's
-      scores product back to back and hands the turn over before waiting for them (`queued`);
-      the same bits. Experimental, GPU only (the interpreter runs no `run_state`).
-    late_sum: in the default schedule, a step's row sums are added while its values product
-      runs, not before it is issued (off the path from the scores to the next product); the
-      same bits. Experimental, GPU only.
-    local_sum: each thread keeps its own 8-column partial row sums, added pairwise (a tree, not a
-      chain) and reduced across threads once, at the end, as FlashAttention-3 does; the row
-      maxima by a tree too (the same maxima). Other bits than the default (another order of
-      the sums), as deterministic and batch invariant. Experimental.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -636,10 +529,6 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                          "run_state nor a wgmma from registers")
     if named is None:
         named = not interpret and not overlap
-    if queue and (interpret or overlap):
-        raise ValueError("queue runs on a GPU only, without overlap")
-    if late_sum and (interpret or overlap or queue):
-        raise ValueError("late_sum runs on a GPU only, in the default schedule")
     if named and (interpret or (overlap and not turns)):
         raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX), and "
                          "with overlap only with turns")
@@ -651,8 +540,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named), queue=bool(queue), late_sum=bool(late_sum),
-        local_sum=bool(local_sum))
+        named=bool(named))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

@@ -260,19 +260,6 @@ def test_gpu_hopper_turns_at_named_barriers_or_an_mbarrier_give_the_same_bits(na
 
 
 @gpu
-@pytest.mark.skipif(not TRY_VARIANTS, reason="an experiment: experiments/gpu_gate.sh variant")
-@pytest.mark.parametrize("option", ["queue", "late_sum"])
-@pytest.mark.parametrize("name", list(GPU_ITEMS))
-def test_gpu_hopper_queued_turns_or_late_sums_give_the_default_bits(name, option):
-    """`queue` and `late_sum` only change when the products are issued and waited for and when
-    the row sums are added, not the sums."""
-    args = _gpu_item(len(name), *GPU_ITEMS[name])
-    outs = [attention_hopper.chunk_attention(*args, scale=128 ** -0.5, **{option: on})
-            for on in (False, True)]
-    assert np.asarray(outs[0]).tobytes() == np.asarray(outs[1]).tobytes()
-
-
-@gpu
 @pytest.mark.parametrize("kernel", list(KERNELS))
 def test_gpu_batch_invariance(kernel):
     """One sequence alone and packed among others (same rows, seqs, width): same bytes."""
