@@ -58,19 +58,20 @@
 # prefill rows 438 s, `variant` 283-293 s); rerun them after any change to models/,
 # kernjax/ or csrc/ (for the attention kernel alone, `python experiments/same_kernel.py REV` says
 # whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against
-# the plain turns at an mbarrier, all slower: overlap (5-14 %), overlap with turns (35-40 %,
-# `4273ad2`), `queue` (each warpgroup issuing P_t V_t and Q K_{t+1} back to back, same bits, 1-5 %,
-# `852ce3f`; back in `d877547` with the turns one way, not yet run). Faster: the turns one way at
-# named barriers (`named`, the default since `6cb5e73`; +3-6 %, same bits; a rendezvous at one
-# named barrier +1-10 %). `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of the 133.7 at 8k
-# in one chunk (61 % at best): 65 % needs a faster attention kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode issues the served whole program
-# fastest (6.6 ms an item; 8.9 without graphs, 10-12 with SKIP_PROFILED).
-# Next for 65 %, on one H200, in one call (~330 s): the overlap within each warpgroup with the
-# turns one way (FlashAttention-3's pair; with the rendezvous it lost 35-40 %) and `queue` with
-# the turns one way (the turn passes before the products are waited for), then the default's
-# stalls (`ncu` took 26 s at `737bc1a`); their hand-overs pass experiments/turns_model.py:
-#   VARIANT=hopper-overlap-named,hopper-queue VARIANT_TESTS="gpu and (overlap-named or queue)" \
-#     gpu_gate.sh variant ncu
+# the default (`pingpong`, the turns one way at named barriers since `6cb5e73`), all slower, each
+# beside it in one call (experiments/results/2026-12-01-h200-kernel-variants/): queue (P_t V_t
+# and Q K_{t+1} back to back; +1..-6 %, ptxas C7519), late_sum, local_sum (FlashAttention-3's
+# per-thread row sums; -2..-8 %): removed in `820279e`; overlap with the turns one way
+# (FlashAttention-3's pair): 35-40 % slower while ptxas serialized every wgmma (C7513, fixed in
+# `71df809`), still 2-8 % slower after: ptxas waits for O before the softmax (docs/lessons.md).
+# `gemms` (`7eb1c64`): merged GEMMs would buy ~2.4 ms of the 133.7 at 8k in one chunk (61 % at
+# best): 65 % needs a faster attention kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode
+# issues the served whole program fastest (6.6 ms an item; 8.9 without graphs, 10-12 with
+# SKIP_PROFILED). `dump` + `variant` of one or two kernels: 116-250 s; `ncu`: ~30 s.
+# Next for 65 %, on the CPU first: why ptxas waits for O before the softmax in `overlapped`
+# (FlashAttention-3's SASS compiled here against the dumped PTX: docs/lessons.md), then one call:
+#   DUMP_KERNELS=hopper-overlap-named VARIANT=hopper-overlap-named VARIANT_CONFIG= \
+#     VARIANT_TESTS="gpu and overlap-named" gpu_gate.sh dump variant
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:
@@ -157,6 +158,8 @@ for step in "$@"; do
       "$n" --import "$OUT/logs/attention.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/logs/ncu-source.csv" 2>&1
       echo "ncu source page: $(wc -l < "$OUT/logs/ncu-source.csv") lines in logs/ncu-source.csv" | say
+      python experiments/ncu_stalls.py "$OUT/logs/ncu-source.csv" > "$OUT/logs/ncu-stalls.md" 2>&1
+      head -12 "$OUT/logs/ncu-stalls.md" | say
       tail -5 "$OUT/logs/ncu.log" | say
     fi ;;
   dump)

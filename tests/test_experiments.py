@@ -314,3 +314,29 @@ def test_turns_model_passes_the_kernels_schedules_and_catches_a_broken_handover(
     twice.insert(twice.index(("arrive", 15)) + 1, ("arrive", 15))
     with pytest.raises(AssertionError, match="does not hold"):  # whatever the interleaving
         run(twice)
+
+
+def test_ncu_stalls_finds_the_hottest_loop_and_its_waits(tmp_path, capsys):
+    """experiments/ncu_stalls.py on a made-up source page: the 60 instructions run most often
+    are the body; its shares are of the body's samples; a wait elsewhere is listed too."""
+    import csv
+
+    import ncu_stalls
+
+    head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
+            "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
+    rows = [["0x10", "  MOV R1, R2", "5", "7", "5", "0", "0"]]
+    rows += [[f"0x{i:x}", "  MUFU.EX2 R3, R3", "2", "1000", "2", "0", "0"] for i in range(50)]
+    rows += [["0x99", "  WARPGROUP.DEPBAR.LE gsb0, 0x0", "300", "1000", "0", "300", "0"]]
+    rows += [[f"0x{i:x}", "  @!P1 FADD R4, R4, R5", "1", "1000", "1", "0", "0"] for i in range(9)]
+    rows += [["0xaa", "  BAR.SYNC.DEFER_BLOCKING 0x0", "150", "3", "0", "150", "0"]]
+    path = tmp_path / "source.csv"
+    with open(path, "w", newline="") as f:
+        f.write('"Kernel Name","k",\n')
+        csv.writer(f).writerows([head] + rows)
+    ncu_stalls.main([str(path)])
+    out = capsys.readouterr().out
+    assert "60 instructions run 1000 times each, 409 samples" in out
+    assert "| WARPGROUP.DEPBAR.LE | 1 | 300 | 73.3 | barrier 300" in out
+    assert "| MUFU.EX2 | 50 | 100 | 24.4 | wait 100" in out and "| FADD | 9 | 9 | 2.2 |" in out
+    assert "BAR.SYNC.DEFER_BLOCKING 0x0" in out.split("waits")[1]
