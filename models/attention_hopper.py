@@ -349,8 +349,9 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 while the other's products do. Every warpgroup meets the other once per step
                 of the CTA, plus once more, at the start (1) or at the end (0). With `named`,
                 the turn passes one way: awaited before issuing, handed over after.
-                Slower than `pingpong` (2026-12-01, one H200, `647a0d2`: 462/482/512 against
-                470/521/545 TFLOP/s at 512, 2048, 8192 rows on 8192 keys): ptxas puts the
+                Slower than `pingpong` (2026-12-01, one H200, this module at `71df809`:
+                453/491/516 against 444/546/555 TFLOP/s at 512, 2048, 8192 rows on 8192
+                keys; 447/498/532 against 497/518/534 in another call): ptxas puts the
                 wait for O right after the wait for S_t, before the softmax's first write into
                 registers O's or S_t's products used, so the softmax never overlaps O
                 (docs/lessons.md)."""
