@@ -223,20 +223,6 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
 
-            def first_scores(after_issue):
-                """Step 0's scores, for `overlapped` (it issues a step's scores product ahead);
-                `after_issue` runs once it is issued."""
-                plgpu.barrier_wait(k_ready.at[0])
-
-                def first(ref):
-                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
-                    after_issue()
-                    return ref[...]
-
-                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
-                plgpu.barrier_arrive(k_free.at[0])
-                return qk
-
             def zero_values_past_the_tile(t, slot):
                 """On the CTA's last step, the value rows past its last position: a page's
                 unused slots may hold anything, and 0 * NaN is not 0."""
@@ -368,7 +354,15 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 own_steps = jnp.maximum(kv_steps, 1)
                 if turns:
                     pl.when(wg == 1)(await_turn)
-                qk = first_scores(handover)
+                plgpu.barrier_wait(k_ready.at[0])
+
+                def first(ref):
+                    plgpu.wgmma(ref, qo, k_smem.at[0].transpose((1, 0)))
+                    handover()
+                    return ref[...]
+
+                qk = pl.run_scoped(first, plgpu.ACC((block_q, block_kv), jnp.float32))
+                plgpu.barrier_arrive(k_free.at[0])
                 p, m, l, _ = softmax(qk, 0, m, l, True)
 
                 def step(t, carry, masked):
@@ -425,8 +419,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     pl.when(wg == 0)(await_turn)
                 return acc, l
 
-            schedule = overlapped if overlap else pingpong
-            acc, l = schedule(acc, m, l)
+            acc, l = (overlapped if overlap else pingpong)(acc, m, l)
             acc = acc / lax.broadcast_in_dim(l, acc.shape, [0])
             out = out2.at[wg]
             out[...] = acc.astype(dtype)
@@ -502,7 +495,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       default until measured faster and tested on the GPU.
     turns: with overlap, the two warpgroups also take turns issuing their products (overlap
       within and between warpgroups, as FlashAttention-3 has both). Experimental too; with
-      `named=True`, the turns pass one way as below (not yet run on a GPU).
+      `named=True`, the turns pass one way as below (run and timed on the H200: slower than
+      the default, `overlapped` says why).
     named: the compute warpgroups hand each other the turn at hardware named barriers, one way
       (FlashAttention-3's scheduler barriers): each waits at its own before issuing its
       products and, once they are issued, arrives at the other's without waiting. Otherwise
