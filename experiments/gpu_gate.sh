@@ -22,7 +22,8 @@
 #   serve2     (nvidia-h200-x2) experiments/load.py: qwen3-4b served whole on GPU 0 vs cut at 18 on
 #              GPUs 0 and 1, for each of $TRANSPORTS (default ipc; also shm, host): 4.5k-9.5k-token
 #              prompts at concurrency 4 and 16 packed and unpacked (--seqs 1), one 8193-token prompt
-#              at a time; experiments/serve_summary.py makes issue 8's results.json of them
+#              at a time ($TTFT_REQUESTS, 6), under each of XLA's CUDA-graph modes $SERVE_MODES
+#              (default); experiments/serve_summary.py makes issue 8's results.json of them
 #   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
@@ -30,8 +31,9 @@
 #   peritem    experiments/peritem.py --stages: qwen3-4b's whole program timed per item at 16 x 16k
 #              and 1 x 8k, and the state copies in every program, the stages' edged ones too
 #   issue      experiments/peritem.py --issue: qwen3-4b's whole program (16 x 16k) issued item after
-#              item as served, the host's time per call, with XLA's CUDA graphs as they are, off,
-#              and updated only where addresses moved over 3 runs (SKIP_PROFILED)
+#              item as served, the host's time per call, under each of $ISSUE_MODES: XLA's CUDA
+#              graphs as they are (default), off (nocb), updated only where addresses moved over
+#              profiled runs (skip_profiled), temporaries at fixed virtual addresses (skip_temp)
 #   dispatch   experiments/dispatch.py: the host's time to issue a program while the GPU runs the
 #              last, with numpy or device operands, jit or compiled, with and without a side effect
 #   ipcbw      (nvidia-h200-x2) experiments/ipc_bandwidth.py: GB/s of one process writing into the
@@ -100,6 +102,18 @@ say() { tee -a "$OUT/gate.log"; }
 # The device tool brings back 8 files: the logs travel packed, and only the packed copy stays.
 pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"; }
 trap pack EXIT
+# XLA's CUDA-graph modes by name (`issue`, and `serve2`'s $SERVE_MODES): as they are, off, the
+# commands updated only where addresses moved over profiled runs, temporaries at fixed addresses
+graph_mode() {
+  case $1 in
+    default) ;;
+    nocb) echo --xla_gpu_enable_command_buffer= ;;
+    skip_profiled) echo --xla_gpu_command_buffer_update_mode=SKIP_PROFILED ;;
+    skip_temp) echo --xla_gpu_command_buffer_update_mode=SKIP_TEMP ;;
+    *) echo "unknown CUDA-graph mode $1 (default, nocb, skip_profiled, skip_temp)" >&2; exit 2 ;;
+  esac
+}
+for m in ${ISSUE_MODES:-} ${SERVE_MODES:-}; do graph_mode "$m" > /dev/null || exit 2; done
 
 log "machine, commit ${KERNJAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo +changes)}"
 {
@@ -229,11 +243,13 @@ for step in "$@"; do
     grep -E "^\|" "$OUT/logs/k3serve.log" | tail -8 | say ;;
   serve2)
     # one transport takes ~8 min (3 load runs of qwen3-4b): give each its own call
-    for t in ${TRANSPORTS:-ipc}; do
+    # SERVE_MODES: XLA's CUDA-graph modes to serve under (graph_mode), each a run of its own
+    for t in ${TRANSPORTS:-ipc}; do for m in ${SERVE_MODES:-default}; do
+      sfx=$t; [ "$m" = default ] || sfx=$t-$m
       load() {  # NAME then load.py flags
         local name=$1; shift
         # each run under its own limit: a hung pipeline must leave the other runs their time
-        timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
+        XLA_FLAGS="${XLA_FLAGS:-} $(graph_mode "$m")" timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
           --chunk 512 --context 16384 --gpus 0,1 --transport "$t" --warmup 4 \
           --out "$OUT/logs/$name" ${TRACE:+--trace "$TRACE"} "$@" ${LOAD_FLAGS:-} > "$OUT/logs/$name.log" 2>&1
         local rc=$?
@@ -241,37 +257,37 @@ for step in "$@"; do
           | tail -"$([ -n "${TRACE:-}" ] && echo 50 || echo 9)" | say
         [ $rc = 0 ] || echo "$name: exit $rc$([ $rc = 124 ] && echo ", killed after ${LOAD_SECONDS:-240} s")" | say
       }
-      log "qwen3-4b whole vs 2 stages on two GPUs, transport $t: packed, unpacked, one at a time"
+      log "qwen3-4b whole vs 2 stages on two GPUs, transport $t, CUDA graphs $m: packed, unpacked, one at a time"
       # which GPU each process holds and how busy each GPU is, every half second
       nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used --format=csv,noheader \
-        -lms 500 > "$OUT/logs/smi-gpus-$t.csv" 2>&1 & smi=$!
+        -lms 500 > "$OUT/logs/smi-gpus-$sfx.csv" 2>&1 & smi=$!
       nvidia-smi --query-compute-apps=timestamp,pid,gpu_bus_id,used_memory --format=csv,noheader \
-        -l 2 > "$OUT/logs/smi-apps-$t.csv" 2>&1 & apps=$!
+        -l 2 > "$OUT/logs/smi-apps-$sfx.csv" 2>&1 & apps=$!
       runs=() want=" ${RUNS:-ttft throughput unpacked} "  # RUNS="ttft": that run alone
       case $want in *" throughput "*)
-        load "serve2-$t" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
-        runs+=(--run "throughput=$OUT/logs/serve2-$t") ;; esac
+        load "serve2-$sfx" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+        runs+=(--run "throughput=$OUT/logs/serve2-$sfx") ;; esac
       case $want in *" unpacked "*)
-        load "serve2-$t-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
-        runs+=(--run "unpacked=$OUT/logs/serve2-$t-seqs1") ;; esac
+        load "serve2-$sfx-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+        runs+=(--run "unpacked=$OUT/logs/serve2-$sfx-seqs1") ;; esac
       case $want in *" ttft "*)
-        load "ttft-$t" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests 6
-        runs+=(--run "ttft=$OUT/logs/ttft-$t") ;; esac
+        load "ttft-$sfx" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests ${TTFT_REQUESTS:-6}
+        runs+=(--run "ttft=$OUT/logs/ttft-$sfx") ;; esac
       # ONE_SLOT=1: what a second slot per edge buys (slot_gain); nccl has no slots
       if [ -n "${ONE_SLOT:-}" ] && [ "$t" != nccl ]; then
-        load "serve2-$t-slot1" --seqs 16 --prompt_len 4500,9500 --concurrency 16 --requests 32 \
+        load "serve2-$sfx-slot1" --seqs 16 --prompt_len 4500,9500 --concurrency 16 --requests 32 \
           --edge_slots 1
-        runs+=(--run "one_slot=$OUT/logs/serve2-$t-slot1")
+        runs+=(--run "one_slot=$OUT/logs/serve2-$sfx-slot1")
       fi
       python experiments/serve_summary.py "${runs[@]}" \
         --gpu "$(nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs)" \
-        --out "$OUT/logs/h200x2-serve-$t" 2>&1 | grep -E "^\|" | say
+        --out "$OUT/logs/h200x2-serve-$sfx" 2>&1 | grep -E "^\|" | say
       kill $smi $apps 2>/dev/null
       echo "GPU utilization (%) while serving, by GPU: $(awk -F', ' '$3+0 > 0 {n[$2]++; u[$2]+=$3}
         END {for (g in n) printf "GPU %s mean %.0f over %d busy samples; ", g, u[g]/n[g], n[g]}' \
-        "$OUT/logs/smi-gpus-$t.csv")" | say
-      echo "processes by GPU bus: $(cut -d, -f3 "$OUT/logs/smi-apps-$t.csv" | sort | uniq -c | xargs)" | say
-    done ;;
+        "$OUT/logs/smi-gpus-$sfx.csv")" | say
+      echo "processes by GPU bus: $(cut -d, -f3 "$OUT/logs/smi-apps-$sfx.csv" | sort | uniq -c | xargs)" | say
+    done; done ;;
   transfer)
     for t in ${TRANSPORTS:-ipc nccl shm}; do
       log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
@@ -293,8 +309,8 @@ for step in "$@"; do
     grep -E "^\||state copies" "$OUT/logs/peritem.log" | say ;;
   issue)
     log "the whole program's host issue per item, under each of XLA's CUDA-graph modes"
-    for mode in "" --xla_gpu_enable_command_buffer= --xla_gpu_command_buffer_update_mode=SKIP_PROFILED; do
-      XLA_FLAGS="${XLA_FLAGS:-} $mode" timeout 200 python experiments/peritem.py --model qwen3-4b \
+    for mode in ${ISSUE_MODES:-default nocb skip_profiled skip_temp}; do
+      XLA_FLAGS="${XLA_FLAGS:-} $(graph_mode $mode)" timeout 200 python experiments/peritem.py --model qwen3-4b \
         --configs 16:16384 --iters 3 --issue 40 >> "$OUT/logs/issue.log" 2>&1
       echo "peritem.py --issue ($mode): exit $?" | say
     done
