@@ -32,6 +32,7 @@ import multiprocessing as mp
 import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -128,12 +129,24 @@ def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
         args = [jnp.ones(shape, a.dtype) * (i + 1) for i in range(a.departures)]
     run = jax.jit(fn)
     item = lambda k: jnp.asarray([k], jnp.int32)  # noqa: E731
-    if rank == 1:  # every item issued before side 0 sends the first: no wait on this host
+    if rank == 1:  # items issued ahead of side 0's first: no wait on this host
+        # Not all of them before side 0 starts: each waits on the device for its arrival, and a
+        # host that issues hundreds of those blocks in the launch queue (or XLA's in-flight
+        # limit) before it can say go: 24 ahead, the rest while side 0 runs.
+        out, ahead = [], threading.Event()
+
+        def issue():
+            for k in range(a.items + 1):
+                out.append(run(*args, item(k)))
+                if k + 1 == min(24, a.items + 1):
+                    ahead.set()
         if jax.default_backend() == "cpu":  # (the CPU runs a program as it is issued)
-            go.put(True)
-        out = [run(*args, item(k)) for k in range(a.items + 1)]
-        if jax.default_backend() != "cpu":
-            go.put(True)
+            ahead.set()
+        t = threading.Thread(target=issue, daemon=True)
+        t.start()
+        ahead.wait()
+        go.put(True)
+        t.join()
         jax.block_until_ready(out)
         res.put({"rank": 1})
         time.sleep(0.5)

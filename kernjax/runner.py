@@ -108,13 +108,18 @@ class Runner:
                                                      self.device)
 
     def memory(self) -> dict[str, int | None]:
-        """Bytes the stage needs (its weights, its states) and the device's peak so far (None
-        where the backend does not say: the CPU)."""
+        """Bytes the stage needs (its weights, its states), the device's peak so far (None where
+        the allocator does not say: the CPU, and the GPU under XLA's VMM allocator, which
+        `kernjax.xla` selects), and what the program it runs holds at once by XLA's memory
+        analysis (arguments, outputs not aliased to them, temporaries)."""
         need = {k: int(sum(s.nbytes for s in self.art.inputs if s.role == k))
                 for k in ("weight", "state")}
         stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
+        m = (self.edged or self.fn).memory_analysis()
+        program = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + \
+            m.temp_size_in_bytes
         return {"weights": need["weight"], "states": need["state"],
-                "peak": (stats or {}).get("peak_bytes_in_use")}
+                "peak": (stats or {}).get("peak_bytes_in_use"), "program": int(program)}
 
     def warm(self) -> None:
         """Compiles by running an empty item: every row is padding, so no state changes."""

@@ -21,6 +21,18 @@ every process of a cut, and compiled programs kept across restarts.
   program that took over a second to compile (`jax/` under `cache_root()`), so a restarted stage
   loads instead of compiling.
 
+- **Serving: CUDA graphs without address updates** (`serving()`, called by `kernjax.serve`
+  before jax makes its backend). XLA runs a GPU program as CUDA graphs and, before each launch,
+  updates every graph node whose buffer moved. The temporaries move from call to call, and they
+  are in nearly every node: served, qwen3-4b's whole program spent 4.6 ms an item updating its
+  graph (`experiments/load.py --trace`) and took 7.4 ms to issue an item. `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` gives each program's
+  temporaries fixed virtual addresses (XLA's VMM allocator): 3.7 ms per item, 1.3 with operands
+  already on the device (one H200, `experiments/peritem.py --issue`). A served stage issues
+  ahead of its device, so the host's issue sets its period where it exceeds the device's work.
+  The VMM allocator keeps no statistics (the stage reports its program's memory from XLA's
+  analysis instead), and maps the temporaries at every call: a program run alone and waited for
+  took 11.3 ms instead of 10.6, so one-off runs (chains, benchmarks) keep the default.
+
 Each is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE_DIR`).
 """
 
@@ -60,6 +72,13 @@ def configure() -> None:
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+
+
+def serving() -> None:
+    """CUDA graphs whose temporaries keep their addresses (see above); before jax's backend."""
+    if "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
 
 
 @contextlib.contextmanager

@@ -233,10 +233,13 @@ def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_
             assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
                 (want * 3)[:16], pipe.logs()
             assert _metric(pipe.http, 'kernjax_transport{kind="shm"}') == 1
-            for st in range(n):  # each stage's weights and states, from its Hello
-                assert _metric(pipe.http, 'kernjax_stage_memory_bytes{kind="weights",'
-                               f'stage="{st}"}}') > 0
+            for st in range(n):  # each stage's weights and states, from its Hello, and what
+                # its program holds at once, its arguments among them
+                got = {k: _metric(pipe.http, f'kernjax_stage_memory_bytes{{kind="{k}",stage="{st}"}}')
+                       for k in ("weights", "states", "program")}
+                assert got["weights"] > 0 and got["program"] > got["weights"] + got["states"], got
             assert "weights " in pipe.procs[1].text() and "B + states" in pipe.procs[1].text()
+            assert "the program holds " in pipe.procs[1].text()
             assert _metric(pipe.http, "kernjax_pages_in_use") == 0
             for p in pipe.procs[1:]:
                 assert f"transport shm ({slots} slots per edge)" in p.text()

@@ -27,8 +27,10 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from kernjax import cli
+from kernjax import cli, xla
 from kernjax.edge import TRANSPORTS
+
+xla.serving()  # before jax makes its backend
 
 FLAGS = flags.FLAGS
 

@@ -89,13 +89,14 @@ class Metrics:
         self.stage = Histogram("kernjax_stage_item_seconds", "Per-stage compute time per item",
                                ["stage"], registry=r)
         self.stage_memory = Gauge("kernjax_stage_memory_bytes", "Per stage: the bytes its weights "
-                                  "and states need, and its device's peak after compiling (where "
-                                  "the backend reports one)", ["stage", "kind"], registry=r)
+                                  "and states need, its device's peak after compiling (where "
+                                  "the allocator reports one), and what its program holds at "
+                                  "once (XLA's memory analysis)", ["stage", "kind"], registry=r)
         self.transport = Gauge("kernjax_transport", "1 for the transport between the stages "
                                "(`none` for the whole program)", ["kind"], registry=r)
 
     def memory(self, stage: int, m: dict) -> None:
-        for kind in ("weights", "states", "peak"):
+        for kind in ("weights", "states", "peak", "program"):
             v = m.get(kind)
             if type(v) is int and v >= 0:
                 self.stage_memory.labels(str(stage), kind).set(v)

@@ -38,9 +38,10 @@ def memory_line(m: dict) -> str:
         return f"{b / 1024 ** unit:.{2 if unit == 3 else 1}f} {['B', 'KiB', 'MiB', 'GiB'][unit]}"
 
     peak = f"device peak {gib(m['peak'])}" if m.get("peak") else \
-        "device peak not reported by this backend"
+        "device peak not reported by this allocator"
+    program = f"; the program holds {gib(m['program'])} at once" if m.get("program") else ""
     return (f"weights {gib(m['weights'])} + states {gib(m['states'])} = "
-            f"{gib(m['weights'] + m['states'])}; {peak}")
+            f"{gib(m['weights'] + m['states'])}; {peak}{program}")
 
 
 def _slots(xs):
