@@ -102,15 +102,17 @@ say() { tee -a "$OUT/gate.log"; }
 # The device tool brings back 8 files: the logs travel packed, and only the packed copy stays.
 pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"; }
 trap pack EXIT
-# XLA's CUDA-graph modes by name (`issue`, and `serve2`'s $SERVE_MODES): as they are, off, the
-# commands updated only where addresses moved over profiled runs, temporaries at fixed addresses
+# XLA's CUDA-graph modes by name (`issue`, and `serve2`'s $SERVE_MODES): as kernjax leaves them
+# (serving: skip_temp, kernjax/xla.py; else XLA's own), XLA's own (every moved node updated), off,
+# updated only where addresses moved over profiled runs, temporaries at fixed addresses
 graph_mode() {
   case $1 in
     default) ;;
+    always) echo --xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE ;;
     nocb) echo --xla_gpu_enable_command_buffer= ;;
     skip_profiled) echo --xla_gpu_command_buffer_update_mode=SKIP_PROFILED ;;
     skip_temp) echo --xla_gpu_command_buffer_update_mode=SKIP_TEMP ;;
-    *) echo "unknown CUDA-graph mode $1 (default, nocb, skip_profiled, skip_temp)" >&2; exit 2 ;;
+    *) echo "unknown CUDA-graph mode $1 (default, always, nocb, skip_profiled, skip_temp)" >&2; exit 2 ;;
   esac
 }
 for m in ${ISSUE_MODES:-} ${SERVE_MODES:-}; do graph_mode "$m" > /dev/null || exit 2; done
