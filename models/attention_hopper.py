@@ -146,7 +146,6 @@ def _store_rows(src, dst, head, start, n, block_q):
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
             groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
-    anchor = scoped[4] if overlap else None  # `overlapped`: the softmax's anchor in shared memory
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
     head = lax.axis_index("heads")
@@ -341,7 +340,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 keys; 447/498/532 against 497/518/534 in another call): ptxas puts the
                 wait for O right after the wait for S_t, before the softmax's first write into
                 registers O's or S_t's products used, so the softmax never overlaps O
-                (docs/lessons.md)."""
+                (docs/lessons.md). ptxas keeps that wait in place only behind a shared-memory
+                access that depends on the softmax (FlashAttention-3's is its K slot's
+                release): with the new row sums stored to a scratch before O is read (`2cd4fee`)
+                all 66 exponentials of a step ran between the two waits, and the kernel was
+                slower still, 392/444/482 against 450/520/525 (one H200, 2026-12-01)."""
                 def handover():  # after issuing products
                     if turns:
                         pass_turn()
@@ -379,14 +382,8 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                         plgpu.wgmma(o_ref, p16, v_smem.at[prev])
                         handover()
                         qk = plgpu.wgmma_accumulator_load(s_ref, wait_n=1)  # S_t, not O
-                        p_ref[...], m_ref[...], l_new, a_ref[...] = softmax(qk, t, m, l, masked)
-                        l_ref[...] = l_new
-                        # The anchor: ptxas moves the wait for O (emitted where O is read, after
-                        # this body) up to the wait for S_t unless a shared-memory access that
-                        # depends on the softmax lies between. FlashAttention-3's is its K slot's
-                        # release; here the new row sums, which read every exponential, go to a
-                        # scratch nothing reads (docs/lessons.md)
-                        anchor.at[wg][...] = lax.broadcast_in_dim(l_new, anchor.shape[1:], [0])
+                        p_ref[...], m_ref[...], l_ref[...], a_ref[...] = softmax(
+                            qk, t, m, l, masked)
 
                     # P_t leaves in float32 and becomes bf16 once O's product is done: converted
                     # inside, it went into the registers P_{t-1} V_{t-1} was still reading, and
@@ -555,8 +552,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
          plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=steps),) * 2,
         plgpu.Barrier(num_arrivals=2),
-    ) + ((plgpu.SMEM((2, block_q, block_kv), q.dtype, transforms=swizzled),) if interpret else ()) \
-      + ((plgpu.SMEM((2, block_q, 8), jnp.float32),) if overlap else ())
+    ) + ((plgpu.SMEM((2, block_q, block_kv), q.dtype, transforms=swizzled),) if interpret else ())
 
     def chunk_attention_kernel(*refs):
         kernel(*refs[:6], refs[6:])
