@@ -340,3 +340,30 @@ def test_ncu_stalls_finds_the_hottest_loop_and_its_waits(tmp_path, capsys):
     assert "| WARPGROUP.DEPBAR.LE | 1 | 300 | 73.3 | barrier 300" in out
     assert "| MUFU.EX2 | 50 | 100 | 24.4 | wait 100" in out and "| FADD | 9 | 9 | 2.2 |" in out
     assert "BAR.SYNC.DEFER_BLOCKING 0x0" in out.split("waits")[1]
+
+
+def test_sass_waits_counts_the_exponentials_between_the_two_waits():
+    """experiments/sass_waits.py on a made-up listing: one overlapped softmax, one not."""
+    sys.path.insert(0, str(REPO / "experiments"))
+    import sass_waits
+
+    sass = """
+        Function : kernel_a
+        /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0020*/                   MUFU.EX2 R1, R2 ;
+        /*0030*/                   MUFU.EX2 R3, R4 ;
+        /*0040*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0050*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        Function : kernel_b
+        /*0010*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0020*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0030*/                   MUFU.EX2 R1, R2 ;
+        /*0040*/                   HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;
+    """
+    got = sass_waits.waits(sass_waits.listing(sass.splitlines()))
+    assert got == ["== kernel_a",
+                   "  0x1 @0010 -> 0x0 @0040: 2 instructions between, MUFU.EX2 2 between and 0 "
+                   "after (to the next HGMMA)",
+                   "== kernel_b",
+                   "  0x1 @0010 -> 0x0 @0020: 0 instructions between, MUFU.EX2 0 between and 1 "
+                   "after (to the next HGMMA)"], got
