@@ -70,10 +70,10 @@
 # best): 65 % needs a faster attention kernel. `issue` (`614aef7`): XLA's default CUDA-graph mode
 # issues the served whole program fastest (6.6 ms an item; 8.9 without graphs, 10-12 with
 # SKIP_PROFILED). `dump` + `variant` of one or two kernels: 116-250 s; `ncu`: ~30 s.
-# Next for 65 %, on the CPU first: why ptxas waits for O before the softmax in `overlapped`
-# (FlashAttention-3's SASS compiled here against the dumped PTX: docs/lessons.md), then one call:
-#   DUMP_KERNELS=hopper-overlap-named VARIANT=hopper-overlap-named VARIANT_CONFIG= \
-#     VARIANT_TESTS="gpu and overlap-named" gpu_gate.sh dump variant
+# Why ptxas waited for O before the softmax (found on the CPU, eleventh session): it hoists the
+# wait unless a shared-memory access that depends on the softmax lies between; with one
+# (`2cd4fee`) the softmax ran beside O and the kernel was 9-15 % slower than the default still
+# (experiments/results/2026-12-01-h200-kernel-variants/call7-2cd4fee-anchor/).
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:
