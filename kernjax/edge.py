@@ -35,7 +35,6 @@ from multiprocessing import shared_memory
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 # How activations go from stage to stage (`kernjax.serve --transport`): over the stage links, or
@@ -304,8 +303,3 @@ def edged(fn: Callable, arrivals: Sequence[Slot], departures: Sequence[Slot], *,
         return [*out[nd:], tok]
 
     return run
-
-
-def item_operand(k: int) -> jax.Array:
-    """Item `k`'s sequence number as the edged program takes it."""
-    return jnp.asarray([k], jnp.int32)

@@ -109,18 +109,15 @@ class Runner:
                                                      self.device)
 
     def memory(self) -> dict[str, int | None]:
-        """Bytes the stage needs (its weights, its states), the device's peak so far (None where
-        the allocator does not say: the CPU, and the GPU under XLA's VMM allocator, which
-        `kernjax.xla` selects), and what the program it runs holds at once by XLA's memory
-        analysis (arguments, outputs not aliased to them, temporaries)."""
-        need = {k: int(sum(s.nbytes for s in self.art.inputs if s.role == k))
-                for k in ("weight", "state")}
+        """Bytes the stage needs (weights, states), the device's peak so far (None where the
+        allocator keeps no count), and what its program holds at once (XLA's memory analysis)."""
+        need = lambda role: int(sum(s.nbytes for s in self.art.inputs if s.role == role))  # noqa: E731
         stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
         m = (self.edged or self.fn).memory_analysis()
-        program = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + \
-            m.temp_size_in_bytes
-        return {"weights": need["weight"], "states": need["state"],
-                "peak": (stats or {}).get("peak_bytes_in_use"), "program": int(program)}
+        return {"weights": need("weight"), "states": need("state"),
+                "peak": (stats or {}).get("peak_bytes_in_use"),
+                "program": int(m.argument_size_in_bytes + m.output_size_in_bytes
+                               - m.alias_size_in_bytes + m.temp_size_in_bytes)}
 
     def warm(self) -> None:
         """Compiles by running an empty item: every row is padding, so no state changes."""
@@ -144,8 +141,7 @@ class Runner:
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()
-        *args, k_ = self._args(item, np.asarray([k], np.int32))
-        out = self.edged(*args, k_)
+        out = self.edged(*self._args(item, np.asarray([k], np.int32)))
         return self._keep(out[:-1]), out[-1]
 
     def compile_edged(self) -> None:
@@ -172,36 +168,27 @@ class Runner:
         return outputs
 
     def _args(self, item: Mapping[str, np.ndarray], *extra: np.ndarray) -> list:
-        """The program's arguments for `item`, then `extra` (on the device too).
-
-        The item's operands are written into the same device buffers every item (a program that
-        donates the last item's): XLA then finds each CUDA-graph node's buffers where it left
-        them and updates none, where fresh buffers would move the nodes reading them (with
-        `kernjax.xla.serving`, qwen3-4b's whole program issued in 1.26 ms with one set of
-        operands kept on the device against 3.65 with fresh ones, `peritem.py --issue`)."""
-        art = self.art
-        xs = []
-        for s in art.inputs:
-            if s.role not in ("weight", "state"):
-                x = item.get(s.name)
-                if x is None:
-                    raise StageError(f"stage {art.index}: the item has no `{s.name}`")
-                if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
-                    raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
-                                     f" the program takes {s.dtype}{list(s.shape)}")
-                xs.append(x)
+        """The program's arguments for `item`, then `extra`. The item's operands go into the last
+        item's device buffers, so XLA's CUDA graphs find them where they were (docs/serving.md)."""
+        art, xs = self.art, []
+        for s in (s for s in art.inputs if s.role not in ("weight", "state")):
+            x = item.get(s.name)
+            if x is None:
+                raise StageError(f"stage {art.index}: the item has no `{s.name}`")
+            if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
+                raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
+                                 f" the program takes {s.dtype}{list(s.shape)}")
+            xs.append(x)
         xs += extra
-        if self._operands is None:
-            self._operands = [jnp.zeros(x.shape, x.dtype, device=self.device) for x in xs]
-        self._operands = ops = _refill(self._operands, xs)
-        it = iter(ops)
+        self._operands = _refill(self._operands or [jnp.zeros(x.shape, x.dtype, device=self.device)
+                                                    for x in xs], xs)
+        it = iter(self._operands)
         args = [self.weights[s.name] if s.role == "weight" else
                 self.states[s.name] if s.role == "state" else next(it) for s in art.inputs]
         return args + list(it)
 
 
-# New values into the donated buffers of the last ones: the result lives where they did.
-_refill = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)
+_refill = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)  # into old's buffers
 
 
 def open_stage(path: str | Path, *, weights: str | Path | None = None, dtype: str | None = None,

@@ -18,18 +18,14 @@ before, and the stage upstream has finished this item:
     held   = done - start              its own work, plus any wait for downstream to take
     period = done[s][k] - done[s][k-1]
 
-"Upstream" is the next lower stage number present in the logs, and item 0 has no previous item, so
-it has no wait and no period and is left out of the statistics (hence `first=1`). In a steady
-pipeline every stage has the same period, that of the slowest stage; the slowest stage waits
-least, and a stage's wait share (total wait over total period) is the fraction of the time it
-could give to more work; its idle share is the time the server had nothing to do. Percentiles
-interpolate linearly between the closest ranks (numpy's default). Stages on different hosts read
-different clocks; a skew shows up as a negative held.
+"Upstream" is the next lower stage number in the logs; item 0 has no previous item and is left out
+of the statistics (`first=1`). A stage's wait share (wait over period) is the time it could give to
+more work, its idle share the time the server had nothing to do (docs/serving.md). Percentiles are
+numpy's. Stages on different hosts read different clocks: a skew shows as a negative held.
 
-`gantt` draws items `first..last` (20 from `first` by default) as text, one row per stage: '.' is
-a gap and a digit (the item number mod 10) spans the item's start to its done. `png` draws the
-same chart with matplotlib. `python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K]`
-prints the report and the text gantt of the same items.
+`gantt` draws items `first..last` as text, one row per stage ('.' a gap, the item number mod 10
+from start to done); `png` with matplotlib. `python -m kernjax.timeline LOG... [--png FILE]
+[--first K] [--last K]` prints the report and the gantt.
 """
 
 from __future__ import annotations

@@ -1,37 +1,21 @@
 """What every kernjax process sets up before jax makes its backend: one kernel choice per call in
 every process of a cut, and compiled programs kept across restarts.
 
-- **Autotuning, shared.** XLA:GPU autotunes each GEMM and fusion (cuBLAS algorithm, Triton
-  tiling) by timing candidates, so two processes compiling the same call may choose differently
-  and round differently: the whole program in one process and its stages in others would then
-  differ. kernjax keeps autotuning (turning it off costs 1.7-6x, docs/bitwise.md) and shares its
-  results: XLA's per-fusion autotune cache lives in one directory per machine
-  (`autotune/` under `cache_root()`); the first process to compile a
-  fusion times it and writes its choice, every later one reads it. Processes compile under an
-  exclusive file lock (`compile_lock`), so two stages started together never time the same
-  fusion at once.
-- **No dot merging.** XLA's dot merger pass turns two GEMMs that share an operand (gate and
-  up, q, k and v) into one over the weights concatenated, when the product is under 16 M
-  elements: a chunk of 512 rows is, 8192 rows are not. The weights are parameters, so the
-  concatenation is a copy of ~100 MB of weights in every layer of every chunk (18 % of an 8k
-  prefill in chunks of 512 on an H200, docs/bitwise.md), and the merged product's slices are
-  copies too where a call boundary keeps them apart. kernjax turns the
-  pass off (`--xla_disable_hlo_passes=dot-merger`: the pass's name, not its class's).
-- **Compiled programs, kept.** JAX's persistent compilation cache (`.../xla/jax`) holds every
-  program that took over a second to compile (`jax/` under `cache_root()`), so a restarted stage
-  loads instead of compiling.
-
-- **Serving: CUDA graphs without address updates** (`serving()`, called by `kernjax.serve`
-  before jax makes its backend). XLA runs a GPU program as CUDA graphs and, before each launch,
-  updates every graph node whose buffer moved. The temporaries move from call to call, and they
-  are in nearly every node: served, qwen3-4b's whole program spent 4.6 ms an item updating its
-  graph (`experiments/load.py --trace`) and took 7.4 ms to issue an item. `--xla_gpu_command_buffer_update_mode=SKIP_TEMP` gives each program's
-  temporaries fixed virtual addresses (XLA's VMM allocator): 3.7 ms per item, 1.3 with operands
-  already on the device (one H200, `experiments/peritem.py --issue`). A served stage issues
-  ahead of its device, so the host's issue sets its period where it exceeds the device's work.
-  The VMM allocator keeps no statistics (the stage reports its program's memory from XLA's
-  analysis instead), and maps the temporaries at every call: a program run alone and waited for
-  took 11.3 ms instead of 10.6, so one-off runs (chains, benchmarks) keep the default.
+- **Autotuning, shared.** XLA:GPU autotunes each GEMM and fusion by timing candidates, so two
+  processes compiling the same call may choose, and round, differently: whole and stages would
+  differ. kernjax keeps autotuning (off costs 1.7-6x, docs/bitwise.md) and shares its results:
+  XLA's per-fusion autotune cache is one directory per machine (`autotune/` under
+  `cache_root()`); the first process to compile a fusion writes its choice, every later one
+  reads it, under an exclusive file lock (`compile_lock`).
+- **No dot merging.** XLA's dot merger joins GEMMs that share an operand (gate and up; q, k, v)
+  below 16 M elements (512 rows, not 8192) over the weights concatenated: a copy of ~100 MB of
+  weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
+  slices copies too across a call boundary. Off: `--xla_disable_hlo_passes=dot-merger`.
+- **Compiled programs, kept.** JAX's persistent compilation cache (`jax/` under `cache_root()`)
+  holds every program that took over a second to compile: a restarted stage loads it.
+- **Serving: CUDA graphs whose temporaries stay put** (`serving()`, by `kernjax.serve`): XLA
+  updates every graph node whose buffers moved before each launch, and the temporaries move every
+  call; SKIP_TEMP pins them (XLA's VMM allocator, which keeps no statistics). docs/serving.md.
 
 Each is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE_DIR`).
 """
@@ -75,10 +59,9 @@ def configure() -> None:
 
 
 def serving() -> None:
-    """CUDA graphs whose temporaries keep their addresses (see above); before jax's backend."""
-    if "command_buffer_update_mode" not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                                   " --xla_gpu_command_buffer_update_mode=SKIP_TEMP").strip()
+    """CUDA graphs whose temporaries stay put (see above); before jax makes its backend."""
+    if "command_buffer_update_mode" not in (flags := os.environ.get("XLA_FLAGS", "")):
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode=SKIP_TEMP".strip()
 
 
 @contextlib.contextmanager

@@ -13,13 +13,9 @@ wedged on a prompt past its context bound). The scheduler thread leases pages FI
 `max_seqs`, packs items with `pack()` (oldest first, partial chunks), sends each item's fills to
 every stage, runs stage 0 and sends its departures on; on an edge, or serving the whole program,
 it issues the next item while a thread (`_finish`) waits for this one. A full item goes at once, a
-partial one once no more items than stages are in flight (and at most `4 × stages` items are
-ever in flight: back-pressure). kern holds a partial item until fewer than stages are in flight,
-for later prompts to fill; then a lone prompt's last chunk waits for the pipeline to drain and the
-first stage idles before it (qwen3-4b on two H200s, one 8193-token prompt: the 1-row 17th chunk
-went out 1.2 ms after stage 0 had finished the 16th, and took 9 ms through it). One more in flight
-keeps the first stage busy and still holds the item while the pipeline is deeper. The last stage answers every item with its tokens; an item that
-finishes a prompt answers that request and returns its pages.
+partial one once no more items than stages are in flight (kern: fewer; docs/serving.md says why
+one more), and at most `4 × stages` items are ever in flight (back-pressure). The last stage
+answers every item with its tokens; an item that finishes a prompt answers it and frees its pages.
 
 Faults: a stage whose connection closes, that sends an ERROR, or that answers no ping for
 `stage_timeout` seconds ends the head: every request in flight or queued is answered with a 503

@@ -88,10 +88,10 @@ class Metrics:
                            "(models with per-sequence states)", registry=r)
         self.stage = Histogram("kernjax_stage_item_seconds", "Per-stage compute time per item",
                                ["stage"], registry=r)
-        self.stage_memory = Gauge("kernjax_stage_memory_bytes", "Per stage: the bytes its weights "
-                                  "and states need, its device's peak after compiling (where "
-                                  "the allocator reports one), and what its program holds at "
-                                  "once (XLA's memory analysis)", ["stage", "kind"], registry=r)
+        self.stage_memory = Gauge("kernjax_stage_memory_bytes", "Per stage: what its weights and "
+                                  "states need, its device's peak (where the allocator counts), "
+                                  "its program at once (XLA's analysis)", ["stage", "kind"],
+                                  registry=r)
         self.transport = Gauge("kernjax_transport", "1 for the transport between the stages "
                                "(`none` for the whole program)", ["kind"], registry=r)
 

@@ -27,9 +27,8 @@ one row per plan, so repeated packing drains everything: a prompt whose rows do 
 others still goes through once it is alone.
 
 `full` says whether an item leaves no room: the head sends a full item at once, and holds a
-partial one while the pipeline has more items in flight than stages (kern: as many as stages;
-`head.py` says why one more). An item cut short by the context bound counts as partial, as in
-kern. Pure: ints in, ints out.
+partial one while more items than stages are in flight (kern: as many; `head.py`). An item cut
+short by the context bound counts as partial, as in kern. Pure: ints in, ints out.
 """
 
 from __future__ import annotations
