@@ -16,7 +16,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from kernjax import derive, models
@@ -99,7 +98,7 @@ class Runner:
         with xla.compile_lock():
             self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile()
         self.needs = [s for s in art.inputs if s.role in ("fill", "table")]
-        self.donate, self.edged, self._operands = donate, None, None
+        self.donate, self.edged = donate, None
 
     def reset(self) -> None:
         """Zeroes every state."""
@@ -141,7 +140,7 @@ class Runner:
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()
-        out = self.edged(*self._args(item, np.asarray([k], np.int32)))
+        out = self.edged(*self._args(item), np.asarray([k], np.int32))
         return self._keep(out[:-1]), out[-1]
 
     def compile_edged(self) -> None:
@@ -167,28 +166,22 @@ class Runner:
                 outputs[s.name] = v
         return outputs
 
-    def _args(self, item: Mapping[str, np.ndarray], *extra: np.ndarray) -> list:
-        """The program's arguments for `item`, then `extra`. The item's operands go into the last
-        item's device buffers, so XLA's CUDA graphs find them where they were (docs/serving.md)."""
-        art, xs = self.art, []
-        for s in (s for s in art.inputs if s.role not in ("weight", "state")):
-            x = item.get(s.name)
-            if x is None:
-                raise StageError(f"stage {art.index}: the item has no `{s.name}`")
-            if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
-                raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
-                                 f" the program takes {s.dtype}{list(s.shape)}")
-            xs.append(x)
-        xs += extra
-        self._operands = _refill(self._operands or [jnp.zeros(x.shape, x.dtype, device=self.device)
-                                                    for x in xs], xs)
-        it = iter(self._operands)
-        args = [self.weights[s.name] if s.role == "weight" else
-                self.states[s.name] if s.role == "state" else next(it) for s in art.inputs]
-        return args + list(it)
-
-
-_refill = jax.jit(lambda old, new: new, donate_argnums=0, keep_unused=True)  # into old's buffers
+    def _args(self, item: Mapping[str, np.ndarray]) -> list:
+        art, args = self.art, []
+        for s in art.inputs:
+            if s.role == "weight":
+                args.append(self.weights[s.name])
+            elif s.role == "state":
+                args.append(self.states[s.name])
+            else:
+                x = item.get(s.name)
+                if x is None:
+                    raise StageError(f"stage {art.index}: the item has no `{s.name}`")
+                if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
+                    raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
+                                     f" the program takes {s.dtype}{list(s.shape)}")
+                args.append(x)
+        return args
 
 
 def open_stage(path: str | Path, *, weights: str | Path | None = None, dtype: str | None = None,

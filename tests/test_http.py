@@ -19,7 +19,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
 from kernjax import cli, models
-from kernjax.item import make_item
 from kernjax.runner import Runner, checkpoint_dir, load_weights
 from kernjax.serve.head import Head
 from kernjax.serve.http import BYTES_PER_TOKEN, Metrics, make_app
@@ -467,13 +466,3 @@ def test_the_head_issues_the_next_item_before_it_reads_the_tokens_of_the_last(he
         head.runner = runner
     assert unread == 2 and got == want, (unread, got, want)
 
-
-def test_a_runner_refills_the_same_device_buffers_every_item(head):
-    """An item's operands go into the buffers of the last item's (kernjax/runner.py): XLA's
-    CUDA graphs then find every operand where it was and update no node for it."""
-    r = head.runner
-    with head.cond:  # the scheduler issues nothing meanwhile: no request is queued
-        r.run(make_item([], r.art.item))
-        where = [x.unsafe_buffer_pointer() for x in r._operands]
-        r.run(make_item([], r.art.item))
-        assert [x.unsafe_buffer_pointer() for x in r._operands] == where
