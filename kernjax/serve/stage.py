@@ -37,7 +37,7 @@ def memory_line(m: dict) -> str:
         unit = next(u for u in (3, 2, 1, 0) if b >= 1024 ** u or u == 0)
         return f"{b / 1024 ** unit:.{2 if unit == 3 else 1}f} {['B', 'KiB', 'MiB', 'GiB'][unit]}"
 
-    peak = f"device peak {gib(m['peak'])}" if m.get("peak") else "no device peak (allocator)"
+    peak = f"device peak {gib(m['peak'])}" if m.get("peak") else "device peak: none counted"
     return (f"weights {gib(m['weights'])} + states {gib(m['states'])} = "
             f"{gib(m['weights'] + m['states'])}; {peak}"
             + (f"; the program holds {gib(m['program'])} at once" if m.get("program") else ""))
