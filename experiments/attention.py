@@ -38,7 +38,8 @@ SMALL_CASES = [(16, 32), (16, 80), (40, 64)]
 # hopper-<name>: the kernel with the experimental options attention_hopper.VARIANTS[name]
 # (mbarrier: the turns at a shared-memory mbarrier, the default until `3775424`; overlap,
 # overlap-turns, overlap-named: FlashAttention-3's intra-warpgroup overlap, alone, with the turns
-# at an mbarrier, with the turns one way).
+# at an mbarrier, with the turns one way; fma-exp, fma-exp-16: the last 32 or 16 key columns'
+# exponentials by a polynomial on the FMA pipes).
 CONFIGS = {
     "hopper": [(64, 128, 2), (64, 64, 2), (64, 64, 3), (64, 64, 4)],
     **{f"hopper-{v}": [(64, 128, 2), (64, 64, 3)] for v in attention_hopper.VARIANTS},

@@ -57,7 +57,21 @@ PAGE = 16
 # tests under KERNJAX_TRY_VARIANTS, `gpu_gate.sh variant`); `chunk_attention`'s doc says each.
 VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
             "overlap-turns": dict(overlap=True, turns=True),
-            "overlap-named": dict(overlap=True, turns=True, named=True)}
+            "overlap-named": dict(overlap=True, turns=True, named=True),
+            "fma-exp": dict(fma_exp=32), "fma-exp-16": dict(fma_exp=16)}
+
+
+def _exp2_fma(x):
+    """2^x for x <= 0 (-inf gives 2^-125) on the FMA and integer pipes, not MUFU's: round(x)
+    by the 1.5 * 2^23 trick (its low mantissa bits), a degree-3 polynomial for 2^f on
+    [-0.5, 0.5] (within 1.02e-4 relative; P is rounded to bf16 after), the exponent added in the
+    bits. Experimental (`fma_exp`); the barrier lowers to an empty asm in Mosaic GPU."""
+    x = jnp.maximum(x, -125.0)
+    j = lax.optimization_barrier(x + 12582912.0)  # else (x + M) - M folds to x
+    f = x - (j - 12582912.0)
+    p = 1.0 + f * (0.69328292 + f * (0.24221076 + f * 0.05500875))
+    e = lax.shift_left(lax.bitcast_convert_type(j, jnp.int32) - 0x4B400000, 23)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(p, jnp.int32) + e, jnp.float32)
 
 
 def _unnumbered_kernel_modules() -> None:
@@ -144,7 +158,8 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
-            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named):
+            groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
+            fma_exp=0):
     (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
@@ -248,7 +263,12 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                     qk = jnp.where(qi + pw >= ki + t * block_kv, qk, -jnp.inf)
                 m_new = jnp.maximum(m, qk.max(axis=1) * c)
                 alpha = jnp.exp2(m - m_new)
-                p = jnp.exp2(qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0]))
+                x = qk * c - lax.broadcast_in_dim(m_new, qk.shape, [0])
+                if fma_exp:  # the last fma_exp columns' exponentials off the MUFU pipe
+                    n = block_kv - fma_exp
+                    p = jnp.concatenate([jnp.exp2(x[:, :n]), _exp2_fma(x[:, n:])], axis=1)
+                else:
+                    p = jnp.exp2(x)
                 return p, m_new, l * alpha + p.sum(axis=1), alpha
 
             def pingpong(acc, m, l):
@@ -479,11 +499,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named"))
+                                             "overlap", "turns", "named", "fma_exp"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool | None = None) -> jax.Array:
+                    named: bool | None = None, fma_exp: int = 0) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -508,6 +528,10 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       mbarrier, and each also waits there for the other's softmax. The same sums either way.
       Default: on the GPU without overlap. With overlap it needs turns. The hand-overs of
       each schedule are modelled and checked in `experiments/turns_model.py`: change both.
+    fma_exp: the last `fma_exp` key columns of each step take their exponentials from a
+      polynomial on the FMA pipes (`_exp2_fma`) instead of MUFU.EX2, which does 16 a cycle per
+      SM and holds a warp's 64 a step for ~512 cycles (FlashAttention-4's split). Other bits;
+      experimental: not the default until measured faster and tested on the GPU.
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -539,7 +563,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named))
+        named=bool(named), fma_exp=int(fma_exp))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
     scratch = (

@@ -47,12 +47,14 @@ CASES = {
 
 
 @cpu
+@pytest.mark.parametrize("fma_exp", [0, 16], ids=["mufu", "fma-exp"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_matches_reference(case):
+def test_matches_reference(case, fma_exp):
+    """`fma_exp` (experimental): the last 16 columns' exponentials by `_exp2_fma`."""
     pieces, rows, block_kv = CASES[case]
     args = make_item(np.random.default_rng(len(case)), pieces, rows=rows, heads=4, kv_heads=2,
                      d=64, dtype=jnp.bfloat16)
-    out = run(args, block_kv=block_kv)
+    out = run(args, block_kv=block_kv, fma_exp=fma_exp)
     assert out.shape == (rows, 4, 64) and out.dtype == jnp.bfloat16
     ref = reference(args[0].astype(jnp.float32), args[1].astype(jnp.float32), *args[2:],
                     64 ** -0.5)
@@ -88,14 +90,27 @@ def _lowered_for_h200(rows=512, **kw) -> str:
     return attention_hopper.lower_for_h200(rows, **kw).as_text(debug_info=False)
 
 
+def test_exp2_on_the_fma_pipes_is_within_its_bound():
+    """`_exp2_fma` against float64 2^x: within 1.02e-4 relative down to -125, exactly 1 at 0, a
+    normal number below 2^-124 from -125 down to -inf (where MUFU's gives 0)."""
+    x = np.concatenate([np.random.default_rng(0).uniform(-130, 0, 200_000), [0, -0.5, -1e-9,
+                                                                               -125, -np.inf]])
+    got = np.asarray(jax.jit(attention_hopper._exp2_fma)(jnp.asarray(x, jnp.float32)), np.float64)
+    x = x.astype(np.float32).astype(np.float64)
+    ok = x > -125
+    assert np.abs(got[ok] / np.exp2(x[ok]) - 1).max() < 1.02e-4 and got[-5] == 1.0
+    assert np.all((got[~ok] > 0) & (got[~ok] < 2.0 ** -124))
+
+
 def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses_them():
-    """`overlap=True`, alone and with `turns=True` (by an mbarrier or one way at named barriers)
-    (experimental; checked and timed on the GPU by `gpu_gate.sh variant`) pass
+    """`overlap=True`, alone and with `turns=True` (by an mbarrier or one way at named barriers),
+    and `fma_exp` (experimental; checked and timed on the GPU by `gpu_gate.sh variant`) pass
     Mosaic GPU's layout inference here; the interpreter cannot run them, nor the named barriers
     of the GPU's default, and says so."""
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, block_kv=64, steps=3)
     assert "mosaic_gpu" in _lowered_for_h200(overlap=True, turns=True)
+    assert "mosaic_gpu" in _lowered_for_h200(fma_exp=32)
     one_way = _lowered_for_h200(overlap=True, turns=True, named=True)
     assert all(f"bar.{op} {b}, 256" in one_way for op in ("sync", "arrive") for b in (14, 15))
     S = jax.ShapeDtypeStruct
