@@ -73,7 +73,8 @@
 # Why ptxas waited for O before the softmax (found on the CPU, eleventh session): it hoists the
 # wait unless a shared-memory access that depends on the softmax lies between; with one
 # (`2cd4fee`) the softmax ran beside O and the kernel was 9-15 % slower than the default still
-# (experiments/results/2026-12-01-h200-kernel-variants/call7-2cd4fee-anchor/).
+# (experiments/results/2026-12-01-h200-kernel-variants/call7-2cd4fee-anchor/). Exponentials
+# partly on the FMA pipes (`fma_exp`, call8-283f2d9-fma-exp/): correct, 1-10 % slower.
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Next on nvidia-h200-x2, a call each:
