@@ -77,14 +77,16 @@
 # partly on the FMA pipes (`fma_exp`, call8-283f2d9-fma-exp/): correct, 1-10 % slower.
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
-# at chunk 512. Next on nvidia-h200-x2, a call each:
-#   TRANSPORTS="ipc nccl" PINGPONG=1 gpu_gate.sh transfer  (an item's round trip on one GPU's clock:
-#       half is the transfer from departure ready to arrival usable; transfer.py --pingpong)
-#   TRACE=150:20 RUNS=ttft TRANSPORTS=ipc gpu_gate.sh serve2   (where a TTFT item's time goes
-#       beyond the stage's host issue, which no XLA flag lowers)
-#   RUNS="throughput unpacked" LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" gpu_gate.sh serve2
+# at chunk 512. Eleventh session (experiments/results/2026-12-01-h200x2/): XLA's SKIP_TEMP cut the
+# host's issue 7.42 -> 3.65 ms and TTFT to 0.5470 (ipc); serving runs it since `2318f39`, with the
+# partial-item rule that no longer drains the pipeline before a prompt's last chunk (unmeasured).
+# Next on nvidia-h200-x2, each a call (the first ~450 s on a fresh machine):
+#   RUNS=ttft TRANSPORTS="ipc nccl" TTFT_REQUESTS=8 LOAD_SECONDS=200 gpu_gate.sh serve2
+#   TRANSPORTS="ipc nccl" PINGPONG=1 TRANSFER_SECONDS=60 gpu_gate.sh transfer, then
+#     RUNS="throughput unpacked" LOAD_SECONDS=300 LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" gpu_gate.sh serve2
 #       (packed_gain where kern measured it: items as large as a prompt)
-#   gpu_gate.sh k3serve                                     (issue 9's tok/s, whole vs 2 stages)
+#   TEST_SECONDS=240 TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests k3serve
+#       (issue 8's GPU tests at the final tree; issue 9's tok/s, whole vs 2 stages)
 # serve_summary.py --run ... makes results.json.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
