@@ -13,9 +13,9 @@ wedged on a prompt past its context bound). The scheduler thread leases pages FI
 `max_seqs`, packs items with `pack()` (oldest first, partial chunks), sends each item's fills to
 every stage, runs stage 0 and sends its departures on; on an edge, or serving the whole program,
 it issues the next item while a thread (`_finish`) waits for this one. A full item goes at once, a
-partial one once no more items than stages are in flight (kern: fewer; docs/serving.md says why
-one more), and at most `4 × stages` items are ever in flight (back-pressure). The last stage
-answers every item with its tokens; an item that finishes a prompt answers it and frees its pages.
+partial one once fewer items than stages are in flight, or as many if it holds all there is to
+issue (docs/serving.md); at most `4 × stages` are in flight (back-pressure). The last stage answers
+every item with its tokens; an item that finishes a prompt answers it and frees its pages.
 
 Faults: a stage whose connection closes, that sends an ERROR, or that answers no ping for
 `stage_timeout` seconds ends the head: every request in flight or queued is answered with a 503
@@ -287,7 +287,9 @@ class Head:
         waiting = [Waiting(i, r.pos, len(r.tokens) - r.pos) for i, r in enumerate(self.live)]
         sh = self.shape
         plan = pack(waiting, rows=sh.rows, seqs=sh.seqs, context=self._context)
-        if plan and (full(plan, rows=sh.rows, seqs=sh.seqs) or len(self.inflight) <= self.stages):
+        last = not self.queue and sum(n for _, n in plan) == sum(w.left for w in waiting)
+        if plan and (full(plan, rows=sh.rows, seqs=sh.seqs) or len(self.inflight) < self.stages
+                     or last and len(self.inflight) == self.stages):
             self._plan = plan
             return True
         return False

@@ -27,7 +27,7 @@ one row per plan, so repeated packing drains everything: a prompt whose rows do 
 others still goes through once it is alone.
 
 `full` says whether an item leaves no room: the head sends a full item at once, and holds a
-partial one while more items than stages are in flight (kern: as many; `head.py`). An item cut
+partial one while as many items as stages are in flight (`head.py` has an exception). An item cut
 short by the context bound counts as partial, as in kern. Pure: ints in, ints out.
 """
 
