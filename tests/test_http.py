@@ -437,9 +437,9 @@ class _Unread:
 @pytest.mark.parametrize("tokens", [CONTEXT, 40], ids=["two-full-items", "full-then-partial"])
 def test_the_head_issues_the_next_item_before_it_reads_the_tokens_of_the_last(head, tokens):
     """Rows 32: a 64-token prompt is two full items, a 40-token one a full item and a partial
-    one. A partial item waits only while more items than stages are in flight, so the device
-    never idles between a prompt's last two chunks (kern's head held it until fewer than
-    stages were in flight: a lone prompt's last chunk waited for the pipeline to drain)."""
+    one. A partial item that holds all there is to issue goes once as many items as stages are
+    in flight, so the device never idles between a lone prompt's last two chunks (kern's head
+    held it until fewer than stages were in flight: the pipeline drained first)."""
     prompt = list(range(1, tokens + 1))
     want = head.submit(prompt).result(30)[0]
     runner, go, issued = head.runner, threading.Event(), []
