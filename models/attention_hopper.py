@@ -557,6 +557,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if named and (interpret or (overlap and not turns)):
         raise ValueError("named runs on a GPU only (the interpreter runs no inline PTX), and "
                          "with overlap only with turns")
+    if fma_exp % 8 or not 0 <= fma_exp < block_kv:
+        raise ValueError(f"fma_exp {fma_exp} must be a multiple of 8 below block_kv {block_kv}")
     if block_q % 64 or block_kv % 64 or steps < 2:
         raise ValueError(f"block_q {block_q} and block_kv {block_kv} must be multiples of 64, "
                          f"steps {steps} at least 2")

@@ -157,3 +157,8 @@ def test_rejects_what_it_cannot_run():
     assert not attention_hopper.supports(jnp.bfloat16, 32)
     with pytest.raises(ValueError, match="head_dim"):
         jax.eval_shape(lambda *a: attention_hopper.chunk_attention(*a, scale=1.0), kv, q, *small)
+    kv64, q64 = S((9, 16, 2, 2, 64), jnp.bfloat16), S((16, 4, 64), jnp.bfloat16)
+    for bad in (12, 128):
+        with pytest.raises(ValueError, match="multiple of 8 below block_kv"):
+            jax.eval_shape(lambda *a: attention_hopper.chunk_attention(
+                *a, scale=1.0, fma_exp=bad), kv64, q64, *small)

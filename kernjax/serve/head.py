@@ -287,9 +287,9 @@ class Head:
         waiting = [Waiting(i, r.pos, len(r.tokens) - r.pos) for i, r in enumerate(self.live)]
         sh = self.shape
         plan = pack(waiting, rows=sh.rows, seqs=sh.seqs, context=self._context)
-        last = not self.queue and sum(n for _, n in plan) == sum(w.left for w in waiting)
         if plan and (full(plan, rows=sh.rows, seqs=sh.seqs) or len(self.inflight) < self.stages
-                     or last and len(self.inflight) == self.stages):
+                     or len(self.inflight) == self.stages and not self.queue  # all there is
+                     and sum(n for _, n in plan) == sum(w.left for w in waiting)):
             self._plan = plan
             return True
         return False
