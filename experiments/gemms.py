@@ -11,14 +11,24 @@ times, on random bf16 operands at `--rows` rows, each way a layer's GEMMs could 
   `silu_mul+down 1`: both in one call, where XLA may fuse the product's prologue (Triton).
 
 Each case is one jitted function of `optimization_barrier`-fenced parts, as kernjax lowers calls
-on a GPU; kernjax's XLA flags apply (it is imported first). Prints ms and TFLOP/s per case.
+on a GPU; kernjax's XLA flags apply (it is imported first), and any in `XLA_FLAGS`. Prints ms and
+TFLOP/s per case.
+
+`--layer` times instead the layer's GEMMs as the model runs them (`models.qwen3.linear`: weights
+as the checkpoint stores them, [out, in]), one call each: `qkv_proj`, `o_proj`, `gate_up`,
+`down_proj`, and their sum over 36 layers. `--pallas` times the same products through JAX's
+Mosaic GPU matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, on weights transposed
+once beforehand) at each of a few tilings, the best of them per product, checked against XLA's:
+whether a GEMM of our own (with silu·mul in its epilogue, say) could start from cuBLAS's speed.
 
     python experiments/gemms.py --rows 512,2048,8192
+    XLA_FLAGS=--xla_gpu_enable_cublaslt=true python experiments/gemms.py --rows 8192 --layer --pallas
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -55,12 +65,93 @@ def cases():
     }
 
 
+def layer_cases():
+    from models.qwen3 import linear
+
+    one = fenced(linear)
+    two = fenced(lambda x, w1, w2: (linear(x, w1), linear(x, w2)))
+    three = fenced(lambda x, w1, w2, w3: (linear(x, w1), linear(x, w2), linear(x, w3)))
+    return {  # name: (fn, shapes of x and [out, in] weights, FLOPs a row)
+        "qkv_proj": (three, lambda r: [(r, D), (Q, D), (KV, D), (KV, D)], 2 * D * (Q + 2 * KV)),
+        "o_proj": (one, lambda r: [(r, Q), (D, Q)], 2 * Q * D),
+        "gate_up": (two, lambda r: [(r, D), (F, D), (F, D)], 2 * D * 2 * F),
+        "down_proj": (one, lambda r: [(r, F), (D, F)], 2 * F * D),
+    }
+
+
+def timed(run, args, iters):
+    jax.block_until_ready(run(*args))
+    ts = []
+    for _ in range(5):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = run(*args)
+        jax.block_until_ready(out)
+        ts.append((time.perf_counter() - t) / iters)
+    return 1e3 * float(np.median(ts))
+
+
+def pallas_best(x, ws, iters):
+    """The best of a few tilings of JAX's Mosaic GPU matmul for x @ wᵀ for each w in ws, as
+    (ms of all, config, max abs difference from XLA's product)."""
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+
+    M = hm.MatmulDimension
+    best = (float("inf"), None, None)
+    wts = [jnp.asarray(w.T) for w in ws]
+    ref = [np.asarray(x @ w.T, np.float32) for w in ws]
+    for tm, tn, steps, wgd, minor, width in [
+            (128, 128, 4, M.N, M.N, 8), (128, 128, 4, M.N, M.M, 8), (128, 128, 4, M.M, M.N, 8),
+            (128, 128, 4, M.N, M.N, 16), (128, 64, 5, M.N, M.N, 8), (64, 128, 5, M.N, M.N, 8),
+            (128, 128, 3, M.N, M.N, 4), (128, 256, 3, M.M, M.N, 8)]:
+        cfg = hm.TuningConfig(tile_m=tm, tile_n=tn, tile_k=64, max_concurrent_steps=steps,
+                              grid_minor_dim=minor, grid_tile_width=width, wg_dimension=wgd)
+        run = jax.jit(lambda x, *wts, cfg=cfg: [hm.matmul(x, w, None, cfg) for w in wts])
+        try:
+            ms = timed(run, (x, *wts), iters)
+        except Exception as e:  # a tiling that does not fit this shape or shared memory
+            print(f"  pallas {cfg.tile_m}x{cfg.tile_n} s{steps} wg={wgd} minor={minor} w{width}: "
+                  f"{type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            continue
+        if ms < best[0]:
+            err = max(float(np.max(np.abs(np.asarray(o, np.float32) - r)))
+                      for o, r in zip(run(x, *wts), ref))
+            best = (ms, f"{tm}x{tn} s{steps} wg={wgd} minor={minor} w{width}", err)
+    return best
+
+
+def main_layer(a, rows):
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    print("| rows | call | XLA ms | TFLOP/s | Mosaic GPU ms | TFLOP/s | its tiling | max diff |")
+    print("|---:|---|---:|---:|---:|---:|---|---:|")
+    key = jax.random.key(0)
+    for r in rows:
+        total = [0.0, 0.0]
+        for name, (f, shapes, flops_per_row) in layer_cases().items():
+            args = [jax.random.normal(k, s, jnp.bfloat16) * 0.05
+                    for k, s in zip(jax.random.split(key, len(shapes(r))), shapes(r))]
+            ms = timed(jax.jit(f), args, a.iters)
+            tf = lambda t: flops_per_row * r / t / 1e9  # noqa: E731
+            total[0] += ms
+            row = f"| {r} | {name} | {ms:.4f} | {tf(ms):.1f} |"
+            if a.pallas:
+                pms, cfg, err = pallas_best(args[0], args[1:], a.iters)
+                total[1] += pms
+                row += f" {pms:.4f} | {tf(pms):.1f} | {cfg} | {err:.3g} |"
+            print(row if a.pallas else row + " | | | |", flush=True)
+        print(f"| {r} | 36 layers | {36 * total[0]:.2f} | | {36 * total[1]:.2f} | | | |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--layer", action="store_true", help="the model's GEMM calls, one by one")
+    ap.add_argument("--pallas", action="store_true", help="with --layer: JAX's Mosaic GPU matmul too")
     a = ap.parse_args()
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if a.layer:
+        return main_layer(a, [int(x) for x in a.rows.split(",")])
     print("| rows | case | ms | TFLOP/s |")
     print("|---:|---|---:|---:|")
     key = jax.random.key(0)
@@ -68,16 +159,7 @@ def main():
         for name, (f, shapes, flops_per_row) in cases().items():
             args = [jax.random.normal(k, s, jnp.bfloat16) * 0.05
                     for k, s in zip(jax.random.split(key, len(shapes(r))), shapes(r))]
-            run = jax.jit(f)
-            jax.block_until_ready(run(*args))
-            ts = []
-            for _ in range(5):
-                t = time.perf_counter()
-                for _ in range(a.iters):
-                    out = run(*args)
-                jax.block_until_ready(out)
-                ts.append((time.perf_counter() - t) / a.iters)
-            ms = 1e3 * float(np.median(ts))
+            ms = timed(jax.jit(f), args, a.iters)
             print(f"| {r} | {name} | {ms:.4f} | {flops_per_row * r / ms / 1e9:.1f} |", flush=True)
 
 

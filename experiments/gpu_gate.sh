@@ -27,7 +27,10 @@
 #   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
-#              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them
+#              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them;
+#              with $GEMM_SETS (XLA's GEMM routes: default cublaslt tritonws cudnn notriton) the
+#              model's GEMM calls at $GEMM_ROWS (8192) under each instead, and JAX's Mosaic GPU
+#              matmul beside the first
 #   peritem    experiments/peritem.py --stages: qwen3-4b's whole program timed per item at 16 x 16k
 #              and 1 x 8k, and the state copies in every program, the stages' edged ones too
 #   issue      experiments/peritem.py --issue: qwen3-4b's whole program (16 x 16k) issued item after
@@ -303,9 +306,31 @@ for step in "$@"; do
       tail -14 "$OUT/logs/transfer-$t.log" | say
     done ;;
   gemms)
-    log "a layer's GEMMs, separate and merged"
-    python experiments/gemms.py --rows 512,2048,8192 > "$OUT/logs/gemms.log" 2>&1
-    grep -E "^\|" "$OUT/logs/gemms.log" | say ;;
+    if [ -z "${GEMM_SETS:-}" ]; then
+      log "a layer's GEMMs, separate and merged"
+      python experiments/gemms.py --rows 512,2048,8192 > "$OUT/logs/gemms.log" 2>&1
+      grep -E "^\|" "$OUT/logs/gemms.log" | say
+    fi
+    # the model's GEMM calls under each of XLA's GEMM routes $GEMM_SETS, each autotuned afresh
+    # (a cache of its own), JAX's Mosaic GPU matmul beside the first
+    pallas=--pallas
+    for g in ${GEMM_SETS:-}; do
+      case $g in
+        default) f= ;;
+        cublaslt) f=--xla_gpu_enable_cublaslt=true ;;
+        tritonws) f=--xla_gpu_experimental_enable_triton_warp_specialization=true ;;
+        cudnn) f=--xla_gpu_cudnn_gemm_fusion_level=2 ;;
+        notriton) f=--xla_gpu_enable_triton_gemm=false ;;
+        *) echo "unknown GEMM route $g (default, cublaslt, tritonws, cudnn, notriton)" | say; continue ;;
+      esac
+      log "the model's GEMMs, XLA's route $g ${pallas:+(and the Mosaic GPU matmul)}"
+      XLA_FLAGS="${XLA_FLAGS:-} $f" KERNJAX_XLA_CACHE=$PWD/.kjcache/xla-gemms-$g timeout 240 \
+        python experiments/gemms.py --layer $pallas --rows "${GEMM_ROWS:-8192}" \
+        > "$OUT/logs/gemms-$g.log" 2>&1
+      echo "gemms.py ($g): exit $?" | say
+      grep -E "^\||^XLA_FLAGS" "$OUT/logs/gemms-$g.log" | say
+      pallas=
+    done ;;
   peritem)
     log "an item's cost against the pool, and the state copies of every program"
     timeout 300 python experiments/peritem.py --model qwen3-4b --configs 16:16384,1:8192 \
