@@ -276,7 +276,11 @@ for step in "$@"; do
         load "serve2-$sfx" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "throughput=$OUT/logs/serve2-$sfx") ;; esac
       case $want in *" unpacked "*)
-        load "serve2-$sfx-seqs1" --seqs 1 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
+        # one sequence per item, with the packed run's pool (16 contexts of 1024 pages, + page
+        # 0): as many prompts live at once, so the pipeline need not drain between prompts (with
+        # one context's pages, before the twelfth session, it did)
+        load "serve2-$sfx-seqs1" --seqs 1 --pages 16385 \
+          --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "unpacked=$OUT/logs/serve2-$sfx-seqs1") ;; esac
       case $want in *" ttft "*)
         load "ttft-$sfx" --seqs 16 --prompt_len 8193,8193 --concurrency 1 --requests ${TTFT_REQUESTS:-6}

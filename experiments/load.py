@@ -254,6 +254,9 @@ def main():
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--pages", type=int, default=0, help="pages per KV state (kernjax.cut "
+                    "--pages; 0: its default, seqs full contexts): --seqs 1 with the pages of "
+                    "--seqs 16 keeps 16 sequences live, one per item")
     ap.add_argument("--at", default="1")
     ap.add_argument("--requests", type=int, default=200, help="requests per concurrency level")
     ap.add_argument("--concurrency", default="1,4,16,64")
@@ -298,7 +301,8 @@ def main():
         t = time.time()
         p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", a.model, "--at", a.at,
                             "--chunk", str(a.chunk), "--seqs", str(a.seqs), "--context",
-                            str(a.context), "--out", str(tmp / "cut")],
+                            str(a.context), "--out", str(tmp / "cut")]
+                           + (["--pages", str(a.pages)] if a.pages else []),
                            capture_output=True, text=True, timeout=600)
         if p.returncode:
             raise RuntimeError("cut failed:\n" + p.stderr)

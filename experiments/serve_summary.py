@@ -7,8 +7,9 @@ Each `--run KIND=DIR` names a load.py output directory:
               2-stage pipeline's median time to first token over the whole program's
   throughput  packed prefill at several concurrencies: `throughput_ratio` at each, prompt
               tokens/s of 2 stages over whole
-  unpacked    the same prompts cut with `--seqs 1` (one sequence per item): `packed_gain` at each
-              concurrency, the packed 2-stage tokens/s over the unpacked ones, minus 1
+  unpacked    the same prompts cut with `--seqs 1` (one sequence per item) and the packed cut's
+              pages (as many sequences live): `packed_gain` at each concurrency, the packed
+              2-stage tokens/s over the unpacked ones, minus 1
   one_slot    the throughput run's prompts with `--edge_slots 1`: `slot_gain` at each concurrency
               both have, the 2-stage tokens/s with the throughput run's slots per edge over one
               slot, minus 1 (what running ahead of the next stage buys)
