@@ -24,6 +24,8 @@
 #              prompts at concurrency 4 and 16 packed and unpacked (--seqs 1), one 8193-token prompt
 #              at a time ($TTFT_REQUESTS, 6), under each of XLA's CUDA-graph modes $SERVE_MODES
 #              (default); experiments/serve_summary.py makes issue 8's results.json of them
+#   pack1      experiments/load.py on GPU 0: qwen3-4b whole, packed against one sequence an item with
+#              the same pool, at $PACK_CHUNK (8192) rows: a one-GPU preview of packed_gain
 #   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
@@ -300,6 +302,19 @@ for step in "$@"; do
         "$OUT/logs/smi-gpus-$sfx.csv")" | say
       echo "processes by GPU bus: $(cut -d, -f3 "$OUT/logs/smi-apps-$sfx.csv" | sort | uniq -c | xargs)" | say
     done; done ;;
+  pack1)
+    # one GPU: what packing buys the whole program at 8192-row items, beside one sequence per
+    # item with the same pool (a preview of serve2's packed_gain, which is 2 stages on two GPUs)
+    c=${PACK_CHUNK:-8192}
+    log "qwen3-4b whole on GPU 0, chunk $c: packed (16 sequences an item) against one an item"
+    for seqs in 16 1; do
+      timeout "${LOAD_SECONDS:-300}" python experiments/load.py --model qwen3-4b --at 18 --configs whole \
+        --chunk "$c" --context 16384 --seqs $seqs --pages 16385 --gpus 0 --prompt_len 4500,9500 \
+        --concurrency 4,16 --requests 32 --warmup 4 --out "$OUT/logs/pack1-$c-seqs$seqs" \
+        > "$OUT/logs/pack1-$c-seqs$seqs.log" 2>&1
+      echo "seqs $seqs: exit $?" | say
+      grep -E "^\| whole|failed requests" "$OUT/logs/pack1-$c-seqs$seqs.log" | say
+    done ;;
   transfer)
     for t in ${TRANSPORTS:-ipc nccl shm}; do
       log "transfer per item, two 512x2560 bf16 departures, GPU 0 to GPU 1, transport $t"
