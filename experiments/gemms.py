@@ -79,6 +79,11 @@ def layer_cases():
     }
 
 
+def operands(key, shapes):
+    return [jax.random.normal(k, s, jnp.bfloat16) * 0.05
+            for k, s in zip(jax.random.split(key, len(shapes)), shapes)]
+
+
 def timed(run, args, iters):
     jax.block_until_ready(run(*args))
     ts = []
@@ -128,8 +133,7 @@ def main_layer(a, rows):
     for r in rows:
         total = [0.0, 0.0]
         for name, (f, shapes, flops_per_row) in layer_cases().items():
-            args = [jax.random.normal(k, s, jnp.bfloat16) * 0.05
-                    for k, s in zip(jax.random.split(key, len(shapes(r))), shapes(r))]
+            args = operands(key, shapes(r))
             ms = timed(jax.jit(f), args, a.iters)
             tf = lambda t: flops_per_row * r / t / 1e9  # noqa: E731
             total[0] += ms
@@ -139,7 +143,8 @@ def main_layer(a, rows):
                 total[1] += pms
                 row += f" {pms:.4f} | {tf(pms):.1f} | {cfg} | {err:.3g} |"
             print(row if a.pallas else row + " | | | |", flush=True)
-        print(f"| {r} | 36 layers | {36 * total[0]:.2f} | | {36 * total[1]:.2f} | | | |", flush=True)
+        mosaic = f"{36 * total[1]:.2f}" if a.pallas else ""
+        print(f"| {r} | 36 layers | {36 * total[0]:.2f} | | {mosaic} | | | |", flush=True)
 
 
 def main():
@@ -157,8 +162,7 @@ def main():
     key = jax.random.key(0)
     for r in (int(x) for x in a.rows.split(",")):
         for name, (f, shapes, flops_per_row) in cases().items():
-            args = [jax.random.normal(k, s, jnp.bfloat16) * 0.05
-                    for k, s in zip(jax.random.split(key, len(shapes(r))), shapes(r))]
+            args = operands(key, shapes(r))
             ms = timed(jax.jit(f), args, a.iters)
             print(f"| {r} | {name} | {ms:.4f} | {flops_per_row * r / ms / 1e9:.1f} |", flush=True)
 
