@@ -231,13 +231,15 @@ def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_pa
 
 
 def test_peritem_and_gemms_run_on_the_cpu():
-    """experiments/peritem.py and gemms.py print a row per case, before they cost a device call;
+    """experiments/peritem.py and gemms.py (also `--layer`: the model's GEMM calls and their sum
+    over 36 layers) print a row per case, before they cost a device call;
     on the CPU no program, whole or stage, plain or with edge ops, copies a state; peritem's
     `--issue` times each case's issue with numpy and with device operands."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     peritem = ["peritem.py", "--configs", "1:256,4:512", "--chunk", "32", "--iters", "1",
                "--stages", "--issue", "3"]
-    for args, rows, ms in ((peritem, 2, -2), (["gemms.py", "--rows", "8", "--iters", "1"], 6, -3)):
+    gemms = ["gemms.py", "--rows", "8", "--iters", "1"]
+    for args, rows, ms in ((peritem, 2, -2), (gemms, 6, -3), ([*gemms, "--layer"], 5, 3)):
         r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
                            capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
