@@ -230,6 +230,28 @@ def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_pa
     assert text.count("    per item: work ") == 3 and "    host issue per item: p50" in text, text
 
 
+def test_load_serves_the_configs_it_is_given_with_the_pool_it_is_given(tmp_path):
+    """experiments/load.py --configs whole: the whole program alone, nothing compared; --pages
+    sizes the cut's pool (one sequence an item, four prompts' pages: serve2's unpacked run);
+    a --configs it does not know is refused by name."""
+    load = [sys.executable, str(REPO / "experiments" / "load.py"), "--model", "qwen3-tiny",
+            "--chunk", "64", "--context", "512", "--seqs", "1", "--pages", "129",
+            "--concurrency", "4", "--prompt_len", "100,300", "--requests", "8", "--warmup", "1"]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    r = subprocess.run([*load, "--configs", "whole", "--out", str(tmp_path)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert [x.split("|")[1].strip() for x in r.stdout.splitlines() if x.startswith("| whole")] \
+        == ["whole"] and "| 2 stages" not in r.stdout, r.stdout
+    assert "token mismatches whole vs 2 stages: not compared" in r.stdout, r.stdout
+    # 129 pages of 16 KiB (4 layers' keys and values); one context's 33 would be 0.5 MiB
+    assert "states 2.0 MiB" in (tmp_path / "whole.log").read_text()
+    r = subprocess.run([*load, "--configs", "whole,three", "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True, timeout=60, env=env)
+    assert r.returncode == 2 and "--configs takes some of whole, 2 stages, not 'whole,three'" \
+        in r.stderr, r.stderr
+
+
 def test_peritem_and_gemms_run_on_the_cpu():
     """experiments/peritem.py and gemms.py (also `--layer`: the model's GEMM calls and their sum
     over 36 layers) print a row per case, before they cost a device call;
