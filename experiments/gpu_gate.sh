@@ -80,6 +80,9 @@
 # (`2cd4fee`) the softmax ran beside O and the kernel was 9-15 % slower than the default still
 # (experiments/results/2026-12-01-h200-kernel-variants/call7-2cd4fee-anchor/). Exponentials
 # partly on the FMA pipes (`fma_exp`, call8-283f2d9-fma-exp/): correct, 1-10 % slower.
+# Twelfth session: Q's tile and its staging in one buffer (`union`) no faster in both orders
+# (call10-787b65a-union-both-orders/: in-call noise is up to 8 %, time A/B both ways); 192-key
+# steps spill. XLA's GEMM routes and Mosaic GPU's matmul within 0.6 % (`gemms`, GEMM_SETS).
 # Issue 8 on nvidia-h200-x2 (experiments/results/2026-11-30-h200x2-serve/, `3d9104a`): 1.92x one
 # GPU's throughput at c16 (goal met), TTFT 0.559 ipc / 0.548 nccl (goal 0.545), packed_gain -0.026
 # at chunk 512. Eleventh session (experiments/results/2026-12-01-h200x2/): XLA's SKIP_TEMP cut the

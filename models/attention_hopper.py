@@ -58,8 +58,7 @@ PAGE = 16
 VARIANTS = {"mbarrier": dict(named=False), "overlap": dict(overlap=True),
             "overlap-turns": dict(overlap=True, turns=True),
             "overlap-named": dict(overlap=True, turns=True, named=True),
-            "fma-exp": dict(fma_exp=32), "fma-exp-16": dict(fma_exp=16),
-            "union": dict(union=True), "wide": dict(union=True, block_kv=192)}
+            "fma-exp": dict(fma_exp=32), "fma-exp-16": dict(fma_exp=16)}
 
 
 def _exp2_fma(x):
@@ -160,10 +159,8 @@ def _store_rows(src, dst, head, start, n, block_q):
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows, width, pages,
             groups, slots, scale, block_q, block_kv, steps, interpret, overlap, turns, named,
-            fma_exp=0, union=False):
-    *q_out, k_smem, v_smem = scoped[0]
-    qo2, out2 = q_out[0] if union else q_out  # union: one buffer, tiled for Q, flat to stage
-    (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[1:4]
+            fma_exp=0):
+    (qo2, out2, k_smem, v_smem), (k_ready, v_ready, q_ready), (k_free, v_free), turn = scoped[:4]
     dtype = q_ref.dtype
     d = q_ref.shape[-1]
     head = lax.axis_index("heads")
@@ -222,10 +219,7 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, scoped, *, seqs, rows
                 plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(rw, block_q), head], staged,
                                         q_ready.at[wg])
                 plgpu.barrier_wait(q_ready.at[wg])
-                qv = plgpu.load(staged, layout=plgpu.Layout.WGMMA)
-                if union:  # the same bytes: every thread's read before any write
-                    plgpu.commit_smem()
-                qo[...] = qv
+                qo[...] = plgpu.load(staged, layout=plgpu.Layout.WGMMA)
                 plgpu.commit_smem()
 
             m = plgpu.layout_cast(jnp.full((block_q,), -jnp.inf, jnp.float32),
@@ -505,11 +499,11 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
-                                             "overlap", "turns", "named", "fma_exp", "union"))
+                                             "overlap", "turns", "named", "fma_exp"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     block_q: int = 64, block_kv: int = 128, steps: int = 2,
                     interpret=False, overlap: bool = False, turns: bool = False,
-                    named: bool | None = None, fma_exp: int = 0, union: bool = False) -> jax.Array:
+                    named: bool | None = None, fma_exp: int = 0) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk (Hopper).
 
     kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16
@@ -540,10 +534,6 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       experimental: slower on the H200 (2026-12-01, `283f2d9`, beside the default in one call:
       32 columns 473/493 against 527/519 TFLOP/s at 2048/8192 rows on 8192 keys, 16 columns
       483/513; each within 2.1e-3 of the float32 reference, as the default).
-    union: a warpgroup's Q tile (tiled, for wgmma) and its staging buffer (flat: Q in, O out)
-      share 16 KiB of shared memory, Q read out of the staging before it is written back
-      tiled over it; 32 KiB fewer, room for `block_kv=192` at 2 steps (FlashAttention-3 uses
-      176-key steps for head_dim 128). Experimental (`gpu_gate.sh variant`, `hopper-wide`).
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
@@ -559,8 +549,6 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if turns and not overlap:
         raise ValueError("turns=True goes with overlap=True (without overlap the warpgroups "
                          "take turns already)")
-    if union and overlap:
-        raise ValueError("union goes with the default schedule, not overlap")
     if overlap and interpret:
         raise ValueError("overlap runs on a GPU only: Mosaic GPU's interpreter has neither "
                          "run_state nor a wgmma from registers")
@@ -579,13 +567,12 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
         _kernel, seqs=seqs, rows=rows, width=width, pages=pages, groups=heads // kv_heads,
         slots=slots, scale=float(scale), block_q=block_q, block_kv=block_kv, steps=steps,
         interpret=bool(interpret), overlap=bool(overlap), turns=bool(turns),
-        named=bool(named), fma_exp=int(fma_exp), union=bool(union))
+        named=bool(named), fma_exp=int(fma_exp))
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 
-    q_out = (plgpu.SMEM((2, block_q, d), q.dtype, transforms=swizzled),
-             plgpu.SMEM((2, block_q, d), q.dtype))
     scratch = (
-        ((plgpu.RefUnion(*q_out),) if union else q_out) + (
+        (plgpu.SMEM((2, block_q, d), q.dtype, transforms=swizzled),
+         plgpu.SMEM((2, block_q, d), q.dtype),
          plgpu.SMEM((steps, block_kv, d), q.dtype, transforms=swizzled),
          plgpu.SMEM((steps, block_kv, d), q.dtype, transforms=swizzled)),
         (plgpu.Barrier(num_arrivals=block_kv // PAGE, num_barriers=steps),

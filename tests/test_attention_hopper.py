@@ -130,24 +130,6 @@ def test_the_experimental_variants_lower_for_an_h200_and_the_interpreter_refuses
             *a, scale=1.0, turns=True), *args)
 
 
-@cpu
-def test_union_gives_the_defaults_bits_and_makes_room_for_192_key_steps():
-    """`union` (experimental): Q's tile and the staging buffer share their shared memory, which
-    lets 192-key steps fit an H200 (264 KB without it). In the interpreter it gives the
-    default's bits. Its race detector is not consulted: it tracks a union as one region, so the
-    two warpgroups' disjoint halves of it read as races."""
-    with pytest.raises(ValueError, match="exceeds available shared memory"):
-        _lowered_for_h200(block_kv=192)
-    assert "mosaic_gpu" in _lowered_for_h200(block_kv=192, union=True)
-    pieces, rows, block_kv = CASES["refills-block128"]
-    args = make_item(np.random.default_rng(3), pieces, rows=rows, heads=4, kv_heads=2, d=64,
-                     dtype=jnp.bfloat16)
-    outs = [attention_hopper.chunk_attention(*args, scale=64 ** -0.5, interpret=INTERPRET,
-                                             block_kv=block_kv, union=union)
-            for union in (False, True)]
-    assert np.asarray(outs[0]).tobytes() == np.asarray(outs[1]).tobytes()
-
-
 def test_lowers_to_mosaic_gpu():
     """The kernel lowers for an H200 on any machine (Mosaic GPU's own layout inference runs
     here); its custom call is `mosaic_gpu_v2`. On the GPU the warpgroups hand each other the
