@@ -280,7 +280,8 @@ def main():
                     help=f"which of {', '.join(CONFIGS)} to serve, comma-separated")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
-    if not a.configs or set(a.configs.split(",")) - set(CONFIGS):
+    configs = a.configs.split(",")
+    if not a.configs or set(configs) - set(CONFIGS):
         ap.error(f"--configs takes some of {', '.join(CONFIGS)}, not {a.configs!r}")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so `finally` stops the servers
     levels = [int(c) for c in a.concurrency.split(",")]
@@ -312,7 +313,7 @@ def main():
             raise RuntimeError("cut failed:\n" + p.stderr)
         (out / "cut.txt").write_text(_scrub(p.stdout + p.stderr, paths))
         print(f"cut in {time.time() - t:.1f} s", flush=True)
-        for config in a.configs.split(","):
+        for config in configs:
             stages = 1 if config == "whole" else 2
             logs = tmp / config.replace(" ", "")
             logs.mkdir()
@@ -403,7 +404,7 @@ def main():
     print(f"\nfailed requests: {len(failures)}")
     for x in failures[:20]:
         print("  ", x)
-    both = "whole" in a.configs.split(",") and "2 stages" in a.configs.split(",")
+    both = set(configs) == set(CONFIGS)
     print(f"token mismatches whole vs 2 stages: {len(mismatches) if both else 'not compared'}")
     for x in mismatches[:20]:
         print("  ", x)
