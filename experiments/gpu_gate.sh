@@ -95,6 +95,11 @@
 #       (packed_gain where kern measured it: items as large as a prompt)
 #   TEST_SECONDS=240 TESTS="tests/test_edge.py tests/test_serve.py" gpu_gate.sh tests k3serve
 #       (issue 8's GPU tests at the final tree; issue 9's tok/s, whole vs 2 stages)
+# If x2 is lent for one call only, the most of issue 8 in one (~400 s estimated on a fresh machine):
+#   RUNS=ttft TRANSPORTS=ipc TTFT_REQUESTS=8 LOAD_SECONDS=200 PINGPONG=1 TRANSFER_SECONDS=40 \
+#     bash experiments/gpu_gate.sh serve2 transfer && OUT=$OUT/pack SKIP_BUILD=1 \
+#     RUNS="throughput unpacked" LOAD_SECONDS=200 TRANSPORTS=ipc \
+#     LOAD_FLAGS="--chunk 8192 --concurrency 16 --requests 32" bash experiments/gpu_gate.sh serve2
 # serve_summary.py --run ... makes results.json.
 # A summary goes to $OUT/gate.log and stdout; every step's full output to $OUT/logs/, packed into
 # $OUT/logs.tgz at the end (the device tool brings back few files). Random weights are cached
@@ -135,9 +140,11 @@ log "machine, commit ${KERNJAX_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)
   nvcc --version | tail -1
 } 2>&1 | say
 
-log "build"
-python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/logs/build.log" 2>&1 \
-  || { tail -20 "$OUT/logs/build.log"; exit 1; }
+if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second run in the same call, built already
+  log "build"
+  python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/logs/build.log" 2>&1 \
+    || { tail -20 "$OUT/logs/build.log"; exit 1; }
+fi
 python -c 'import kernjax.ffi as f; print("extension cuda:", f.has_cuda())' 2>&1 | say
 
 for step in "$@"; do
