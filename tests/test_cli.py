@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -221,3 +222,22 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
     assert cli.previous_cut(tmp_path) == []
     cli.write_cut(tmp_path, stages, [], meta)
     assert sorted(os.listdir(tmp_path)) == ["stage0", "stage1", "whole"]
+
+
+def test_every_flag_the_docs_show_a_command_with_exists(tmp_path):
+    """README.md and docs/*.md show `python -m kernjax.<module> ... --flag`: each module knows
+    each flag its lines use (docs that match the code)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    docs = [os.path.join(root, "README.md")] + [
+        os.path.join(root, "docs", f) for f in sorted(os.listdir(os.path.join(root, "docs")))]
+    used: dict[str, set] = {}
+    for path in docs:
+        for line in open(path, encoding="utf-8"):
+            for m in re.finditer(r"python -m (kernjax(?:\.\w+)*)([^`#|]*)", line):
+                used.setdefault(m.group(1), set()).update(re.findall(r"[\s[]--(\w+)", m.group(2)))
+    assert {"kernjax.cut", "kernjax.serve", "kernjax.run", "kernjax.chain"} <= set(used), used
+    helps = _all({mod: (mod, "--helpfull") for mod in used}, cwd=tmp_path)
+    missing = {mod: sorted(f for f in flags
+                           if not re.search(rf"^\s+--(\[no\])?{f}:", helps[mod].stdout, re.M))
+               for mod, flags in used.items()}
+    assert not any(missing.values()), missing
