@@ -225,19 +225,27 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
 
 
 def test_every_flag_the_docs_show_a_command_with_exists(tmp_path):
-    """README.md and docs/*.md show `python -m kernjax.<module> ... --flag`: each module knows
-    each flag its lines use (docs that match the code)."""
+    """README.md and docs/*.md show `python -m kernjax.<module> ... --flag` and
+    `experiments/<script>.py ... --flag`: each command knows each flag its lines use (docs that
+    match the code)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = [os.path.join(root, "README.md")] + [
         os.path.join(root, "docs", f) for f in sorted(os.listdir(os.path.join(root, "docs")))]
-    used: dict[str, set] = {}
+    used: dict[tuple, set] = {}
     for path in docs:
         for line in open(path, encoding="utf-8"):
-            for m in re.finditer(r"python -m (kernjax(?:\.\w+)*)([^`#|]*)", line):
-                used.setdefault(m.group(1), set()).update(re.findall(r"[\s[]--(\w+)", m.group(2)))
-    assert {"kernjax.cut", "kernjax.serve", "kernjax.run", "kernjax.chain"} <= set(used), used
-    helps = _all({mod: (mod, "--helpfull") for mod in used}, cwd=tmp_path)
-    missing = {mod: sorted(f for f in flags
-                           if not re.search(rf"^\s+--(\[no\])?{f}:", helps[mod].stdout, re.M))
-               for mod, flags in used.items()}
+            for m in re.finditer(r"python -m (kernjax(?:\.\w+)*)|(experiments/\w+\.py)", line):
+                cmd = ("-m", m.group(1)) if m.group(1) else (os.path.join(root, m.group(2)),)
+                tail = re.match(r"[^`#|]*", line[m.end():]).group(0)
+                used.setdefault(cmd, set()).update(re.findall(r"[\s[]--(\w+)", tail))
+    assert {("-m", "kernjax.cut"), ("-m", "kernjax.serve")} <= set(used), used
+    def help_of(cmd):
+        return subprocess.run([sys.executable, *cmd, "--helpfull" if cmd[0] == "-m" else "--help"],
+                              capture_output=True, text=True, cwd=tmp_path, timeout=300).stdout
+
+    with ThreadPoolExecutor(4) as ex:
+        helps = dict(zip(used, ex.map(help_of, used)))
+    missing = {" ".join(cmd): sorted(f for f in flags if not re.search(
+                   rf"^\s+--(\[no\])?{f}\b", helps[cmd], re.M))
+               for cmd, flags in used.items()}
     assert not any(missing.values()), missing
