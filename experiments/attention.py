@@ -7,10 +7,13 @@ One sequence per item: a chunk of C query rows at positions K-C .. K-1, so it at
 pairs = C * (K - C) + C * (C + 1) / 2. Each config is first checked against a float32 jnp
 reference (rel. error < 1e-2, no NaN, run-to-run bitwise equal); then each timing is the median
 over --reps of the mean of --inner back-to-back calls, rotating between --sets input sets (so
-the keys and values are not all in L2). Prints a table; --out writes it as JSON.
+the keys and values are not all in L2). `--rounds N` times every config N times, the order
+reversed every other round, and takes the median of the rounds: an A/B of a few per cent is
+noise until it holds both ways (`docs/lessons.md`). Prints a table; --out writes it as JSON.
 
     python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
+    python experiments/attention.py --kernel hopper,hopper-mbarrier --rounds 4
     python experiments/attention.py --kernel triton --interpret --small  # CPU smoke test
 """
 
@@ -107,6 +110,8 @@ def main():
     ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2, for each kernel")
     ap.add_argument("--cases", default=None, help="C:K pairs, e.g. 512:8192,2048:8192")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--rounds", type=int, default=1, help="time every config this many times, "
+                    "the order reversed every other round; the median of the rounds counts")
     ap.add_argument("--inner", type=int, default=5, help="calls per timed rep")
     ap.add_argument("--sets", type=int, default=3, help="input sets to rotate between")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU)")
@@ -142,10 +147,12 @@ def main():
         sets = [make_set(jax.random.key(i), c, k, heads, kv_heads, d, dtype)
                 for i in range(a.sets)]
         ref = reference(*sets[0], scale)
+        timed = []  # (row, fn) of each config that compiled and is right
         for kn, config in configs:
             fn = kernel_fn(kn, config, scale, a.interpret)
             name = f"{kn} {','.join(map(str, config))}"
             row = dict(C=c, K=k, kernel=kn, **dict(zip(NAMES[kn], config)))
+            results.append(row)
             try:
                 out = fn(*sets[0])
                 again = fn(*sets[0])
@@ -156,28 +163,34 @@ def main():
             except Exception as e:  # a config that does not compile is reported, not fatal
                 row.update(error=f"{type(e).__name__}: {str(e).splitlines()[0][:300]}")
                 print(f"C={c} K={k} {name}: {row['error']}", flush=True)
-                results.append(row)
                 continue
-            row.update(rel_err=err, nan=nan, bitwise_rerun=same)
+            row.update(rel_err=err, nan=nan, bitwise_rerun=same, config=name)
             if err > 1e-2 or nan or not same:
                 row.update(error="wrong result")
                 print(f"C={c} K={k} {name}: WRONG rel_err={err:.2e} nan={nan} "
                       f"rerun_same={same}", flush=True)
-                results.append(row)
                 continue
             for x in sets:  # warm-up
                 fn(*x).block_until_ready()
-            times = []
-            for r in range(a.reps):
-                t = time.perf_counter()
-                outs = [fn(*sets[(r * a.inner + i) % a.sets]) for i in range(a.inner)]
-                jax.block_until_ready(outs)
-                times.append((time.perf_counter() - t) / a.inner)
-            ms = statistics.median(times) * 1e3
-            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12, config=name)
-            results.append(row)
-            print(f"C={c:5d} K={k:6d} {name:18s}: {ms:8.3f} ms {row['tflops']:7.1f} TFLOP/s  "
-                  f"rel_err {err:.1e}", flush=True)
+            timed.append((row, fn))
+        # --rounds: every config timed once a round, the order reversed every other round (an
+        # A/B under ~8 % changed sign with the order on the H200: docs/lessons.md)
+        for rnd in range(a.rounds):
+            for row, fn in (timed if rnd % 2 == 0 else timed[::-1]):
+                times = []
+                for r in range(a.reps):
+                    t = time.perf_counter()
+                    outs = [fn(*sets[(r * a.inner + i) % a.sets]) for i in range(a.inner)]
+                    jax.block_until_ready(outs)
+                    times.append((time.perf_counter() - t) / a.inner)
+                row.setdefault("rounds_ms", []).append(statistics.median(times) * 1e3)
+        for row, _ in timed:
+            ms = statistics.median(row["rounds_ms"])
+            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            each = "/".join(f"{flops / (x * 1e-3) / 1e12:.1f}" for x in row["rounds_ms"])
+            print(f"C={c:5d} K={k:6d} {row['config']:18s}: {ms:8.3f} ms {row['tflops']:7.1f} "
+                  f"TFLOP/s  rel_err {row['rel_err']:.1e}"
+                  + (f"  (rounds: {each})" if a.rounds > 1 else ""), flush=True)
 
     print("\n|     C |      K | kernel, config     |       ms | TFLOP/s |")
     print("|------:|-------:|:-------------------|---------:|--------:|")

@@ -9,7 +9,8 @@
 #   variant    experimental: variants of the Hopper kernel ($VARIANT, experiments/attention.py
 #              kernels, comma-separated; default hopper-mbarrier: the turns at a shared-memory
 #              mbarrier, the default before `3775424`) timed beside the default (and alone
-#              at $VARIANT_CONFIG, default 64,64,3; none if set empty), then the GPU
+#              at $VARIANT_CONFIG, default 64,64,3; none if set empty; $VARIANT_ROUNDS rounds, 4,
+#              the order reversed every other round), then the GPU
 #              tests $VARIANT_TESTS selects (tests/test_attention_pallas.py, KERNJAX_TRY_VARIANTS),
 #              each under a timeout, in a call of its own
 #   dump       Mosaic GPU's PTX, ptxas report and SASS of each kernel of $DUMP_KERNELS (default
@@ -164,7 +165,7 @@ for step in "$@"; do
     runs=("hopper,$v")
     [ -n "${VARIANT_CONFIG-64,64,3}" ] && runs+=("$v --config ${VARIANT_CONFIG-64,64,3}")
     for run in "${runs[@]}"; do
-      timeout 120 python experiments/attention.py --kernel $run \
+      timeout 120 python experiments/attention.py --kernel $run --rounds "${VARIANT_ROUNDS:-4}" \
         --cases 512:8192,2048:8192,8192:8192 > "$OUT/logs/variant-${run%% *}.log" 2>&1
       echo "attention.py --kernel $run: exit $?" | say
       grep -E "^\| +[0-9]" "$OUT/logs/variant-${run%% *}.log" | say
