@@ -391,3 +391,19 @@ def test_sass_waits_counts_the_exponentials_between_the_two_waits():
                    "== kernel_b",
                    "  0x1 @0010 -> 0x0 @0020: 0 instructions between, MUFU.EX2 0 between and 1 "
                    "after (to the next HGMMA)"], got
+
+
+def test_attention_rounds_time_every_config_in_each_round_both_ways(tmp_path):
+    """experiments/attention.py --rounds 3: each config checked once, then timed 3 times with
+    the order reversed every other round; its ms is the median of the rounds, all kept."""
+    out = tmp_path / "a.json"
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "attention.py"), "--kernel",
+                        "triton", "--interpret", "--small", "--sweep", "--cases", "16:32",
+                        "--rounds", "3", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 2 and all(len(x["rounds_ms"]) == 3 for x in rows), rows
+    assert all(x["ms"] == sorted(x["rounds_ms"])[1] and x["rel_err"] < 1e-2 for x in rows), rows
+    assert r.stdout.count("(rounds: ") == 2, r.stdout
