@@ -114,6 +114,9 @@ export NCCL_NVLS_ENABLE=0  # the two-GPU machine: NVLink multicast stays off
 # The device copy's git may name an older commit than the tree it holds: pass KERNJAX_COMMIT.
 export KERNJAX_COMMIT=${KERNJAX_COMMIT:-}
 CHUNKS=${CHUNKS:-"512 64"}
+# qwen3-4b serving runs: context 16384 (1024 pages of 16), room for 16 sequences + page 0; the
+# unpacked runs (--seqs 1) get the same pool, so packing is all that differs
+CONTEXT=16384; POOL=$((16 * CONTEXT / 16 + 1))
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
 say() { tee -a "$OUT/gate.log"; }
 # The device tool brings back 8 files: the logs travel packed, and only the packed copy stays.
@@ -271,7 +274,7 @@ for step in "$@"; do
         local name=$1; shift
         # each run under its own limit: a hung pipeline must leave the other runs their time
         XLA_FLAGS="${XLA_FLAGS:-} $(graph_mode "$m")" timeout "${LOAD_SECONDS:-240}" python experiments/load.py --model qwen3-4b --at 18 \
-          --chunk 512 --context 16384 --gpus 0,1 --transport "$t" --warmup 4 \
+          --chunk 512 --context $CONTEXT --gpus 0,1 --transport "$t" --warmup 4 \
           --out "$OUT/logs/$name" ${TRACE:+--trace "$TRACE"} "$@" ${LOAD_FLAGS:-} > "$OUT/logs/$name.log" 2>&1
         local rc=$?
         grep -E "^\||mismatch|failed requests|items, kernels busy|per item:|host issue|^ +[0-9.]+ ms" "$OUT/logs/$name.log" \
@@ -289,10 +292,9 @@ for step in "$@"; do
         load "serve2-$sfx" --seqs 16 --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "throughput=$OUT/logs/serve2-$sfx") ;; esac
       case $want in *" unpacked "*)
-        # one sequence per item, with the packed run's pool (16 contexts of 1024 pages, + page
-        # 0): as many prompts live at once, so the pipeline need not drain between prompts (with
-        # one context's pages, before the twelfth session, it did)
-        load "serve2-$sfx-seqs1" --seqs 1 --pages 16385 \
+        # one sequence per item, with the packed run's pool ($POOL): as many prompts live at
+        # once, so the pipeline need not drain between prompts (before the twelfth session it did)
+        load "serve2-$sfx-seqs1" --seqs 1 --pages $POOL \
           --prompt_len 4500,9500 --concurrency 4,16 --requests 48
         runs+=(--run "unpacked=$OUT/logs/serve2-$sfx-seqs1") ;; esac
       case $want in *" ttft "*)
@@ -320,7 +322,7 @@ for step in "$@"; do
     log "qwen3-4b whole on GPU 0, chunk $c: packed (16 sequences an item) against one an item"
     for seqs in 16 1; do
       timeout "${LOAD_SECONDS:-300}" python experiments/load.py --model qwen3-4b --at 18 --configs whole \
-        --chunk "$c" --context 16384 --seqs $seqs --pages 16385 --gpus 0 --prompt_len 4500,9500 \
+        --chunk "$c" --context $CONTEXT --seqs $seqs --pages $POOL --gpus 0 --prompt_len 4500,9500 \
         --concurrency 4,16 --requests 32 --warmup 4 --out "$OUT/logs/pack1-$c-seqs$seqs" \
         > "$OUT/logs/pack1-$c-seqs$seqs.log" 2>&1
       echo "seqs $seqs: exit $?" | say

@@ -533,7 +533,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
       SM and holds a warp's 64 a step for ~512 cycles (FlashAttention-4's split). Other bits;
       experimental: slower on the H200 (2026-12-01, `283f2d9`, beside the default in one call:
       32 columns 473/493 against 527/519 TFLOP/s at 2048/8192 rows on 8192 keys, 16 columns
-      483/513; each within 2.1e-3 of the float32 reference, as the default).
+      483/513; each within 2.1e-3 of the float32 reference, as the default; 16 columns again
+      in 4 rounds both ways, `4f6cb52`: 479.4/494.0 against 497.9/510.9, slower in 7 of 8).
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
