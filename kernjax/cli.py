@@ -62,7 +62,7 @@ def run(main_def) -> None:
                     RuntimeError, OSError) as e:
                 _fail(str(e))
 
-        app.run(wrapped)
+        app.run(wrapped, flags_parser=_parse)
     except KeyboardInterrupt as e:
         term = str(e) == "SIGTERM"
         print("terminated" if term else "interrupted", file=sys.stderr, flush=True)
@@ -86,6 +86,15 @@ def usage(doc: str, own) -> str:
                                    100, subsequent_indent="      "))
     lines += ["", "Flags can also come from a file: --flagfile=FILE. --helpfull lists absl's too."]
     return "\n".join(lines)
+
+
+def _parse(argv: list[str]) -> list[str]:
+    """absl's flag parsing, its errors (a missing, unknown or malformed flag) as user errors."""
+    try:
+        return FLAGS(argv)
+    except flags.Error as e:
+        _fail(re.sub(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
+                     r"--\1 is required", str(e)).replace("\n", "; ") + " (see --help)")
 
 
 def _fail(msg: str) -> None:
@@ -170,17 +179,12 @@ def profile_times(path, program, model: str) -> list[float]:
         raise ValueError(f"--profile `{path}` times {prof.get('model')} at {prof.get('rows')} "
                          f"rows; this cut is {model} at {program.rows} (re-run experiments/"
                          f"calls.py --model {model} --rows {program.rows})")
-    out, missing = [], []
-    for c in program.calls:
-        ms = got.get(c)
-        if ms is None:
-            missing.append(c)
-        out.append(ms or 0.0)
+    missing = [c for c in program.calls if c not in got]
     if missing:
         raise ValueError(f"--profile `{path}` has no time for {', '.join(missing[:5])}"
                          f"{' ...' if len(missing) > 5 else ''}; re-run experiments/calls.py for "
                          "this model")
-    return out
+    return [got[c] for c in program.calls]
 
 
 def auto_cut(program, model: str):

@@ -97,7 +97,6 @@ class Runner:
                  for s in (*art.inputs, *art.arrivals)]
         with xla.compile_lock():
             self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile()
-        self.needs = [s for s in art.inputs if s.role in ("fill", "table")]
         self.donate, self.edged = donate, None
 
     def reset(self) -> None:

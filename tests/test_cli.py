@@ -126,6 +126,12 @@ REFUSALS = {
                     "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
     "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
+    # absl's own flag parsing: a missing, malformed or unknown flag
+    "flag_missing": (["kernjax.cut", "--model", MODEL], "--at is required; --out is required"),
+    "flag_malformed": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+                        "abc"], "flag --chunk=abc: invalid literal"),
+    "flag_unknown": (["kernjax.serve", "--model", MODEL, "--transprot", "ipc"],
+                     "Unknown command line flag 'transprot'. Did you mean: transport"),
     "auto_without_profile": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
                              "--at auto needs --profile FILE"),
     "auto_other_rows": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z",

@@ -400,6 +400,16 @@ def test_a_request_whose_client_has_gone_is_dropped_before_it_is_packed(head):
     assert head.pool.in_use == 0 and not head.queue and not head.live
 
 
+def test_client_mistake_lines_show_under_the_shells_warning_verbosity():
+    from absl import logging as absl_logging
+    before = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.WARNING)  # what kernjax.cli.run sets
+    try:
+        assert logging.getLogger("kernjax.serve.http").isEnabledFor(logging.INFO)
+    finally:
+        absl_logging.set_verbosity(before)
+
+
 def test_client_mistakes_are_logged_in_one_line_below_error(head, ckpt, caplog):
     caplog.set_level(logging.DEBUG)
     bodies = [b"{not json", b"[1]", b'{"prompt": [1], "max_tokens": true}', b"[" * 100000,

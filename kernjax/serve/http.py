@@ -50,6 +50,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kernjax.serve.head import Head, Refused
 
 log = logging.getLogger("kernjax.serve.http")
+log.setLevel(logging.INFO)  # its client-mistake lines show under the shells' WARNING verbosity
 
 # The most JSON bytes (or text characters) one prompt token may take; generous: token ids take
 # at most 8 (`"151643, "`), text about 4 characters a token, escaped non-ASCII 6 a character.
