@@ -415,17 +415,57 @@ def test_client_mistakes_are_logged_in_one_line_below_error(head, ckpt, caplog):
     bodies = [b"{not json", b"[1]", b'{"prompt": [1], "max_tokens": true}', b"[" * 100000,
               b'{"prompt": [1, 99999]}', b'{"prompt": "w1 \\ud800"}', b'{"prompt": [1.5]}',
               b'{"prompt": [[1], 2]}', b'{"prompt": {"a": 1}}', b"\xff\xfe",
-              json.dumps({"prompt": [1] * 65}).encode(), b'{"prompt": [1], "model": [1]}']
+              json.dumps({"prompt": [1] * 65}).encode(), b'{"prompt": [1], "model": [1]}',
+              b'{"prompt": [1], "\\ud800\\npp item stage=0 item=9": 1}', b"[" * 9 + b"1" * 5000,
+              b'{"prompt": [1], "model": "\\ud800\\npp item stage=0 item=9 ' + b"x" * 10**5 + b'"}']
 
     async def go():
         async with client(head, ckpt) as c:
             return [await post(c, b) for b in bodies]
     res = run(go())
     assert [s for s, _ in res] == [400] * (len(bodies) - 1) + [404], res
+    assert "lone surrogate" in res[5][1]["error"]["message"], res[5]
+    assert "digits" in res[-2][1]["error"]["message"] and len(res[-1][1]["error"]["message"]) < 200
     mine = [r for r in caplog.records if r.name == "kernjax.serve.http"]
-    assert len(mine) == len(bodies) and all(r.levelno == logging.INFO and not r.exc_info
-                                            and "\n" not in r.getMessage() for r in mine), mine
+    # one line each, whatever the client sent: no newline (a forged `pp item` line), ASCII only
+    assert len(mine) == len(bodies) and all(r.levelno == logging.INFO and not r.exc_info and
+                                            "\n" not in r.getMessage() and r.getMessage().isascii()
+                                            for r in mine), mine
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_bodies_and_requests_http_cannot_read_are_one_counted_line_each(head, caplog):
+    """A body not in its Content-Encoding: a JSON 400. A request HTTP itself cannot parse:
+    aiohttp's 400, logged in one line and counted. A client gone halfway through its body:
+    counted abandoned. No traceback for any."""
+    caplog.set_level(logging.DEBUG)
+
+    def counts(text: str) -> dict:
+        return {k: float(x.rsplit(" ", 1)[1]) for k in ("bad_request", "abandoned") for x in
+                text.splitlines() if x.startswith(f'kernjax_requests_total{{outcome="{k}"}}')}
+
+    async def go():
+        async with client(head) as c:
+            before = counts(await (await c.get("/metrics")).text())
+            bad = await post(c, b"notgzip", headers={"Content-Encoding": "gzip"})
+            framing = await raw(c, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                   b"Content-Length: -1\r\n\r\n")
+            _, w = await asyncio.open_connection("127.0.0.1", c.server.port)
+            w.write(request("/v1/completions", 100, b'{"prompt": [1,'))
+            await w.drain()
+            w.close()
+            await asyncio.sleep(0.5)
+            return bad, framing, before, counts(await (await c.get("/metrics")).text())
+    bad, framing, before, after = run(go())
+    assert bad[0] == 400 and "could not be read" in bad[1]["error"]["message"], bad
+    assert framing.split(b"\r\n")[0].endswith(b" 400 Bad Request"), framing
+    assert {k: after[k] - before.get(k, 0) for k in after} == {"bad_request": 2, "abandoned": 1}
+    lines = [r for r in caplog.records if r.name in ("aiohttp.server", "kernjax.serve.http")]
+    said = [r.getMessage() for r in lines]
+    assert any("could not be read" in m for m in said) and any(
+        "malformed request" in m and "Content-Length" in m and "\n" not in m for m in said), said
+    assert not [r for r in caplog.records if r.exc_info or
+                                    r.levelno >= logging.ERROR], caplog.records
 
 
 def test_bounds_below_one_are_refused(head):

@@ -86,7 +86,7 @@ def _log_to() -> None:
     if path:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            file = path.open("w", encoding="utf-8")
+            file = path.open("w", encoding="utf-8", errors="backslashreplace")
         except OSError as e:
             raise OSError(f"cannot write the log `{path}`: {e.strerror or e}") from None
     sys.stderr = _Stamped(sys.stderr, file)

@@ -45,6 +45,7 @@ from pathlib import Path
 import numpy as np
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kernjax.serve.head import Head, Refused
@@ -124,6 +125,11 @@ def _error(status: int, message: str, *, param: str | None = None) -> web.Respon
                                         "code": status}}, status=status)
 
 
+def _line(s: str) -> str:
+    """`s` for a log line: newlines and what is not ASCII escaped, so a client cannot split it."""
+    return s.encode("ascii", "backslashreplace").decode().replace("\n", "\\n").replace("\r", "\\r")
+
+
 def _show(v) -> str:
     s = json.dumps(v)
     return s if len(s) <= 40 else s[:37] + "..."
@@ -199,7 +205,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
     pool = cf.ThreadPoolExecutor(4, thread_name_prefix="http")
     busy = {"now": 0, "refused": 0, "accept": 0.0}
 
-    def tokens(p, i: int, many: bool):
+    def tokens(p, i: int, many: bool, param: str = "prompt"):
         at = f"prompt {i}: " if many else ""
         if isinstance(p, str):
             if tokenizer is None:
@@ -210,9 +216,13 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                           f"{context} tokens, which no tokenizer makes of more than {max_chars} "
                           f"characters ({BYTES_PER_TOKEN} a token)", "prompt")
             try:
+                p.encode("utf-8")
                 p = tokenizer.encode(p, add_special_tokens=False).ids
-            except Exception as e:  # noqa: BLE001 (a lone surrogate, say: the client's text)
-                raise Bad(f"{at}the prompt cannot be tokenized: {e}", "prompt") from None
+            except UnicodeEncodeError as e:
+                raise Bad(f"{at}the text holds {_show(e.object[e.start:e.end])}, a lone surrogate "
+                          "(half a UTF-16 pair), which is not text", param) from None
+            except Exception as e:  # noqa: BLE001 (the client's text)
+                raise Bad(f"{at}the prompt cannot be tokenized: {e}", param) from None
         if not p:
             raise Bad(f"{at}the prompt is empty", "prompt")
         if len(p) <= context and any(not 0 <= t < vocab for t in p):
@@ -257,24 +267,28 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         try:
             return render.render(messages=out, add_generation_prompt=add, **tpl[1])
         except Exception as e:  # noqa: BLE001 (the template's own checks: roles, order)
-            raise Bad(f"the chat template refused these messages: {e}", "messages") from None
+            raise Bad(f"the chat template refused these messages: {_show(str(e))}",
+                      "messages") from None
 
     def prepare(data: bytes, chat: bool):
         """Parses and checks a body and tokenizes its prompts, on a worker thread."""
         try:
             body = json.loads(data)
-        except (ValueError, RecursionError):
-            raise Bad("the request body is not JSON; send {\"prompt\": ..., \"max_tokens\": 1}") \
-                from None
+        except (ValueError, RecursionError) as e:
+            why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:120]
+            raise Bad(f"the request body is not JSON this server reads ({why}); send "
+                      "{\"prompt\": ..., \"max_tokens\": 1}") from None
         if not isinstance(body, dict):
             raise Bad("the request body must be a JSON object")
         unknown = sorted(set(body) - FIELDS[chat] - IGNORED - set(CANNOT))
         if unknown:
-            raise Bad(f"unknown field `{unknown[0]}`; this server takes "
+            raise Bad(f"unknown field {_show(unknown[0])}; this server takes "
                       f"{', '.join(sorted(FIELDS[chat] | set(CANNOT)))} (and ignores "
                       f"{', '.join(sorted(IGNORED))})", unknown[0])
+        if not isinstance(body.get("model", ""), str | None):
+            raise Bad(f"model is {_show(body['model'])}; give the model's name, a string", "model")
         if body.get("model") not in (None, name):
-            raise Bad(f"the model `{body.get('model')}` does not exist; this server serves "
+            raise Bad(f"the model {_show(body.get('model'))} does not exist; this server serves "
                       f"`{name}`", "model", 404)
         for k in ("max_tokens", "max_completion_tokens"):
             v = body.get(k)
@@ -293,8 +307,8 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                 "include_usage"} or not isinstance(opts.get("include_usage", False), bool)):
             raise Bad("stream_options takes {\"include_usage\": true|false}, with stream true",
                       "stream_options")
-        ps = [messages(body)] if chat else prompts(body)
-        return [tokens(p, i, len(ps) > 1) for i, p in enumerate(ps)], stream, bool(
+        ps, param = ([messages(body)], "messages") if chat else (prompts(body), "prompt")
+        return [tokens(p, i, len(ps) > 1, param) for i, p in enumerate(ps)], stream, bool(
             opts and opts.get("include_usage"))
 
     async def read(request: web.Request) -> bytes:
@@ -311,6 +325,14 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             raise Bad(f"the body is larger (once decompressed); {big}", status=413) from None
         except HttpProcessingError as e:
             raise Bad(f"the body could not be read: {e.message}") from None
+        except RequestPayloadError as e:  # a Content-Encoding the body is not in
+            raise Bad(f"the body could not be read: {e.__cause__ or e}") from None
+        except ConnectionError:
+            raise Bad("the client closed the connection before its body arrived", status=499) \
+                from None
+        except asyncio.CancelledError:  # the same, when aiohttp cancels the handler for it
+            metrics.requests.labels("abandoned").inc()
+            raise
 
     async def complete(request: web.Request, chat: bool) -> web.StreamResponse:
         if chat and render is None:
@@ -429,7 +451,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                    else "unavailable")
         metrics.requests.labels(outcome).inc()
         log.log(logging.INFO if status < 500 else logging.WARNING, "http: %s %s from %s: %d %s",
-                request.method, request.path, request.remote, status, message)
+                request.method, _line(request.path[:200]), request.remote, status, _line(message))
         resp = _error(status, message, param=param)
         if allow:
             resp.headers["Allow"] = ", ".join(sorted(allow))
@@ -475,9 +497,24 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                             cap, busy["refused"], "s" * (busy["refused"] != 1))
                 busy["refused"] = 0
 
+    def malformed(record: logging.LogRecord) -> bool:
+        """aiohttp's record of a request HTTP itself cannot parse (answered 400 by aiohttp, and
+        counted here) or of a body that does not decode (answered and counted by `read`, then
+        met again by aiohttp's drain): one line, no traceback. Others (a fault) keep theirs."""
+        e = record.exc_info and record.exc_info[1]
+        if isinstance(e, HttpProcessingError | RequestPayloadError):
+            if isinstance(e, HttpProcessingError):
+                metrics.requests.labels("bad_request").inc()
+            record.msg, record.args = "http: a malformed request, answered 400: %s", (
+                _line(str(e)[:200]),)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
     async def start(_: web.Application) -> None:
         """Out of file descriptors, asyncio logs a traceback per failed accept(): one line a
         minute instead."""
+        logging.getLogger("aiohttp.server").addFilter(malformed)
         loop = asyncio.get_running_loop()
         default = loop.get_exception_handler()
 
@@ -493,6 +530,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         loop.set_exception_handler(handler)
 
     async def stop(_: web.Application) -> None:
+        logging.getLogger("aiohttp.server").removeFilter(malformed)
         pool.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application(client_max_size=max_body, middlewares=[guard],
