@@ -326,7 +326,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         except HttpProcessingError as e:
             raise Bad(f"the body could not be read: {e.message}") from None
         except RequestPayloadError as e:  # a Content-Encoding the body is not in
-            raise Bad(f"the body could not be read: {e.__cause__ or e}") from None
+            raise Bad(f"the body could not be read: {getattr(e.__cause__, 'message', e)}") from None
         except ConnectionError:
             raise Bad("the client closed the connection before its body arrived", status=499) \
                 from None
@@ -506,7 +506,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             if isinstance(e, HttpProcessingError):
                 metrics.requests.labels("bad_request").inc()
             record.msg, record.args = "http: a malformed request, answered 400: %s", (
-                _line(str(e)[:200]),)
+                _line(str(getattr(e, "message", e))[:200]),)
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
