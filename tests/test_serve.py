@@ -458,6 +458,30 @@ def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_
         first.p.kill()
 
 
+def test_a_stage_that_leaves_before_the_pipeline_starts_can_join_again(cuts, tmp_path):
+    """Stage 1 says Hello and dies while the head waits for stage 2: its restart joins in its
+    place, and once stage 2 is in, the pipeline serves."""
+    pp, port = _port(), _port()
+    head = _head(cuts[3] / "stage0", pp, port, tmp_path / "head.log")
+    first = _joiner(cuts[3] / "stage1", pp, tmp_path / "first.log")
+    again = last = None
+    try:
+        head.wait_for("stage 1 joined")
+        first.p.kill()
+        first.p.wait(30)
+        again = _joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
+        head.wait_for("stage 1 joined from", 60)
+        last = _joiner(cuts[3] / "stage2", pp, tmp_path / "last.log")
+        head.wait_for("serving", 120)
+        (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
+        assert status == 200, head.text()
+        assert head.text().count("stage 1 joined from") == 2, head.text()
+    finally:
+        for proc in (head, first, again, last):
+            if proc is not None:
+                proc.p.kill()
+
+
 def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
     pp, port = _port(), _port()
     head = _head(cuts[2] / "stage0", pp, port, tmp_path / "head.log")

@@ -48,6 +48,17 @@ from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
 
+
+def _open(sock: socket.socket) -> bool:
+    """Whether the peer of `sock` is still there (it sends nothing until its Table)."""
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
 class Refused(Exception):
     """A request the server will not run; `status` is the HTTP status to answer with."""
 
@@ -165,13 +176,21 @@ class Head:
             hellos[s] = (conn, hello, ip)
             missing = set(range(1, self.stages)) - set(hellos)
             with self.cond:
-                self.failed = self.joining = self._missing(missing) if missing else self.joining
+                self.failed = self.joining = self._missing(missing) if missing else \
+                    "every stage has joined; starting the pipeline"
             say(f"stage {s} joined from {ip}")
             return None
 
         say(f"cut `{self.art.cut_id}`, waiting for stages 1..{self.stages - 1} on {self.listen}")
-        done = handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
-                          deadline=time.time() + timeout, log=say, limit=self.max_frame)
+        deadline = time.time() + timeout
+        while done := handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
+                                 deadline=deadline, log=say, limit=min(self.max_frame, 1 << 20)):
+            gone = [s for s, (conn, _, _) in hellos.items() if not _open(conn.sock)]
+            if not gone:
+                break
+            for s in gone:  # it said Hello, then went: wait for it again (restarted, say)
+                say(f"stage {s} left before the pipeline started; waiting for it again")
+                del hellos[s]
         self._server.close()
         if not done:
             missing = sorted(set(range(1, self.stages)) - set(hellos))
@@ -204,16 +223,20 @@ class Head:
         if hello.get("cut") != self.art.cut_id:
             return (f"stage {s} belongs to cut `{hello.get('cut')}`; the head serves cut "
                     f"`{self.art.cut_id}`: start every stage from one `kernjax.cut --out`")
-        if not isinstance(s, int) or not 1 <= s < self.stages:
-            return f"stage {s} is not one of 1..{self.stages - 1}"
-        if s in hellos:
+        if type(s) is not int or not 1 <= s < self.stages or hello.get("stages") != self.stages:
+            return (f"a Hello from stage {s!r} of {hello.get('stages')!r} stages; this cut has "
+                    f"stages 0..{self.stages - 1}")
+        if s in hellos and _open(hellos[s][0].sock):
             return f"stage {s} has joined already"
         pages, listen, fills = hello.get("pages"), hello.get("listen"), hello.get("fills")
-        if not (type(pages) is int and pages > 0 and type(listen) is int and 0 < listen < 65536
-                and isinstance(hello.get("arrivals"), list) and isinstance(fills, list)
-                and all(isinstance(f, str) for f in fills)
-                and set(fills) <= set(make_item([], self.shape))):
-            return f"stage {s} sent a malformed Hello (pages, listen, arrivals or fills)"
+        bad = [k for k, ok in (
+            ("pages", type(pages) is int and pages > 0),
+            ("listen", type(listen) is int and 0 < listen < 65536),
+            ("arrivals", isinstance(hello.get("arrivals"), list)),
+            ("fills", isinstance(fills, list) and all(isinstance(f, str) for f in fills)
+             and set(fills) <= set(make_item([], self.shape)))) if not ok]
+        if bad:
+            return f"stage {s} sent a malformed Hello: {', '.join(bad)}"
         if hello.get("transport", "host") != self.transport:
             return (f"stage {s} uses the {hello.get('transport', 'host')} transport; the head "
                     f"uses {self.transport}: start every stage with the same --transport")

@@ -87,7 +87,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                              "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
                              "fills": fills, "memory": runner.memory(), **via})
         table, _ = hconn.expect("TABLE")
-        if type(table.get("pages")) is not int or not (
+        if type(table.get("pages")) is not int or table["pages"] < 2 or not (
                 table.get("next") is None or isinstance(table["next"], dict)):
             die(f"the head sent a malformed Table: {str(table)[:200]}")
         if table["pages"] > art.item.pages:
