@@ -47,6 +47,9 @@ from kernjax import edge
 from kernjax.serve.transport import HostTransport
 from kernjax.timeline import log_item
 
+# The most bytes the head reads of a connection's first frame before it has joined (a Hello is
+# about 1 KB): pending connections cannot make the head hold --max_frame each.
+HELLO_MAX = 1 << 20
 
 
 def _open(sock: socket.socket) -> bool:
@@ -184,7 +187,7 @@ class Head:
         say(f"cut `{self.art.cut_id}`, waiting for stages 1..{self.stages - 1} on {self.listen}")
         deadline = time.time() + timeout
         while done := handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
-                                 deadline=deadline, log=say, limit=min(self.max_frame, 1 << 20)):
+                                 deadline=deadline, log=say, limit=min(self.max_frame, HELLO_MAX)):
             gone = [s for s, (conn, _, _) in hellos.items() if not _open(conn.sock)]
             if not gone:
                 break
