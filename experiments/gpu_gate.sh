@@ -155,7 +155,7 @@ for step in "$@"; do
   case $step in
   tests)
     log "tests on the GPU"
-    timeout "${TEST_SECONDS:-900}" python -m pytest -q ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
+    timeout "${TEST_SECONDS:-900}" python -m pytest -q -rs ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
       tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py} > "$OUT/logs/tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
