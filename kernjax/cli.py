@@ -252,9 +252,9 @@ whole/ into DIR, replacing a previous cut there."""
         out = Path(FLAGS.out)
         old = previous_cut(out)
         t0 = time.time()
-        low = [f"--{n} {v} must be at least {lo}" for n, lo in
+        low = [f"--{n} {v} must be at least {lo}" + " and below 2^31" * (v >= lo) for n, lo in
                (("chunk", 1), ("seqs", 1), ("context", 1), ("pages", 2), ("slots", 2))
-               if (v := getattr(FLAGS, n)) is not None and v < lo]
+               if (v := getattr(FLAGS, n)) is not None and not lo <= v < 2**31]
         if low:
             raise ValueError("; ".join(low) + " (see --help)")
         extra = {}
@@ -372,7 +372,8 @@ prompt's length and its first token."""
     source_flags()
     flags.DEFINE_string("prompt", None, "a text prompt (needs the checkpoint's tokenizer.json)")
     flags.DEFINE_string("tokens", None, "a prompt as token ids: \"1 2 3\"")
-    flags.DEFINE_integer("chunk", None, "rows per chunk (default 512, or the stages' rows)")
+    flags.DEFINE_integer("chunk", None, "rows per chunk (default 512, or the stages' rows)", lower_bound=1,
+                         upper_bound=2**31 - 1)
     flags.DEFINE_string("stages", None, "run the stage artifacts in this directory instead")
     flags.DEFINE_string("save", None, "write logits (last row, float32) and token to FILE.npz")
 
@@ -448,7 +449,12 @@ def tokenizer(ckpt: Path | None):
     if ckpt is None or not (ckpt / "tokenizer.json").is_file():
         return None
     from tokenizers import Tokenizer
-    return Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    try:
+        return Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exceptions)
+        raise ValueError(f"`{ckpt / 'tokenizer.json'}` is not a tokenizer the tokenizers library "
+                         f"reads ({str(e)[:120]}); remove it to use token ids, or replace it") \
+            from None
 
 
 def _decode(ckpt: Path | None, token: int) -> str | None:
@@ -464,7 +470,8 @@ and through its stages, compares logits and tokens bitwise after every chunk, pr
 prompt and PASS or FAIL; exits 0 on PASS, 1 on FAIL."""
     flags.DEFINE_string("stages", None, "a `kernjax.cut --out` directory (whole/ and stage*/)")
     flags.DEFINE_string("prompts", None, "a file with one line of token ids per prompt")
-    flags.DEFINE_integer("chunk", None, "rows per chunk (default: the stages' rows)")
+    flags.DEFINE_integer("chunk", None, "rows per chunk (default: the stages' rows)", lower_bound=1,
+                         upper_bound=2**31 - 1)
     flags.DEFINE_string("weights", None, "a checkpoint overriding the one the stages record")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "must match the stages' dtype")
     flags.mark_flags_as_required(["stages", "prompts"])

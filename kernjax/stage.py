@@ -181,9 +181,18 @@ def read(path: str | os.PathLike) -> Artifact:
         m = json.loads(mpath.read_text())
     except json.JSONDecodeError as e:
         raise ArtifactError(f"`{mpath}` is not valid JSON ({e}); re-run `kernjax.cut`") from e
-    if m.get("format") != FORMAT:
-        raise ArtifactError(f"`{mpath}` has format {m.get('format')}; this kernjax reads format "
-                            f"{FORMAT}: re-run `kernjax.cut`")
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        got = f"format {m.get('format')!r}" if isinstance(m, dict) else f"a JSON {type(m).__name__}"
+        raise ArtifactError(f"`{mpath}` holds {got}; this kernjax reads format {FORMAT}: "
+                            "re-run `kernjax.cut`")
+    try:
+        return _read(path, m)
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field removed or changed
+        raise ArtifactError(f"`{mpath}` is malformed ({type(e).__name__}: {str(e)[:120]}); "
+                            "re-run `kernjax.cut`") from None
+
+
+def _read(path: Path, m: dict) -> Artifact:
     if m["jax"] != jax.__version__:
         raise ArtifactError(f"`{path}` was exported by jax {m['jax']}; this is jax "
                             f"{jax.__version__}: re-run `kernjax.cut` with this jax")
@@ -205,6 +214,12 @@ def read(path: str | os.PathLike) -> Artifact:
             raise ArtifactError(f"`{path / m['edged']['file']}` does not match the hash in its "
                                 "manifest: re-run `kernjax.cut`")
         edged = export.deserialize(eblob)
-    return Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
-                    _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
-                    edged)
+    art = Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
+                   _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
+                   edged)
+    # what later code reads of the manifest, read once here, where a bad field is reported
+    if not (type(art.index) is int and type(art.stages) is int and isinstance(art.cut_id, str)
+            and isinstance(art.dtype, str) and art.item is not None
+            and isinstance(m["model"]["config"], dict) and isinstance(m["checkpoint"], dict)):
+        raise TypeError("cut, dtype, item, model or checkpoint")
+    return art

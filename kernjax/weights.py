@@ -16,6 +16,7 @@ A named model's random checkpoint is made once into a cache directory (`$KERNJAX
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from kernjax import models
@@ -60,8 +61,33 @@ def read_config(ckpt: str | os.PathLike):
         d = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise WeightError(f"`{path}` is not valid JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise WeightError(f"`{path}` holds a JSON {type(d).__name__}, not an object")
     fam = models.family(d.get("model_type", "?"))
-    return fam, fam.config_from_hf(d, name=d.get("_name", Path(ckpt).name))
+    try:
+        cfg = fam.config_from_hf(d, name=d.get("_name", Path(ckpt).name))
+    except KeyError as e:
+        raise WeightError(f"`{path}` has no {e}") from None
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        raise WeightError(f"`{path}`: {e}") from None
+    bad = [f"{f.name} {getattr(cfg, f.name)!r}" for f in dataclasses.fields(cfg)
+           if not _fits(f, getattr(cfg, f.name))]
+    if bad:
+        raise WeightError(f"`{path}` gives {', '.join(bad)}: sizes are integers from 1 (counts "
+                          "with a default from 0) below 2^31, scales positive floats, the dtype "
+                          "float32, bfloat16 or float16")
+    return fam, cfg
+
+
+def _fits(f: dataclasses.Field, v) -> bool:
+    """Whether a model config's field `f` holds a value the model code can use."""
+    if f.type in ("int", int):
+        return type(v) is int and (f.default is dataclasses.MISSING) <= v < 2**31
+    if f.type in ("float", float):
+        return isinstance(v, float) and 0 < v < float("inf")
+    if f.name == "dtype":
+        return v in ("float32", "bfloat16", "float16")
+    return f.type not in ("bool", bool) or type(v) is bool
 
 
 def same_model(ckpt: str | os.PathLike, config: Mapping) -> None:
@@ -89,8 +115,12 @@ def _files(ckpt: Path) -> dict[str, Path]:
     if not single.is_file():
         raise WeightError(f"`{ckpt}` has neither model.safetensors nor "
                           "model.safetensors.index.json")
-    with safe_open(single, framework="numpy") as f:
-        return {k: single for k in f.keys()}
+    try:
+        with safe_open(single, framework="numpy") as f:
+            return {k: single for k in f.keys()}
+    except SafetensorError as e:
+        raise WeightError(f"`{single}` is not a safetensors file this reader can read ({e}); "
+                          "write or download it again") from None
 
 
 def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str]], *,
@@ -130,7 +160,11 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
             if got != shape:
                 errs.append(f"tensor `{src}` has shape {list(got)}; the model expects {list(shape)}")
                 continue
-            x = handles[f].get_tensor(src)
+            try:
+                x = handles[f].get_tensor(src)
+            except SafetensorError as e:  # a header that promises bytes the file lacks
+                errs.append(f"tensor `{src}` cannot be read from `{f.name}`: {e}")
+                continue
             out[name] = x if x.dtype == np_dtype(dtype) else x.astype(np_dtype(dtype))
             done += out[name].nbytes
             now = time.time()

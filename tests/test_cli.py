@@ -46,6 +46,16 @@ def work(tmp_path_factory):
     shutil.copytree(t / "moved", t / "other")
     conf = json.loads((t / "other" / "config.json").read_text())
     (t / "other" / "config.json").write_text(json.dumps({**conf, "intermediate_size": 256}))
+    for name in ("badcfg", "trunc", "badtok"):  # damaged copies of the checkpoint
+        shutil.copytree(t / "moved", t / name)
+    (t / "badcfg" / "config.json").write_text(json.dumps({**conf, "hidden_size": "64"}))
+    with open(t / "trunc" / "model.safetensors", "r+b") as f:
+        f.truncate(3000)
+    (t / "badtok" / "tokenizer.json").write_text("")
+    shutil.copytree(t / "st", t / "badman")
+    man = json.loads((t / "badman" / "stage1" / "manifest.json").read_text())
+    (t / "badman" / "stage1" / "manifest.json").write_text(json.dumps(
+        {k: v for k, v in man.items() if k != "cut"}))
     (t / "foreign").mkdir()
     (t / "foreign" / "config.json").write_text("{}")
     (t / "one.txt").write_text("7\n")
@@ -105,7 +115,8 @@ REFUSALS = {
                        "`st/stage0` is one stage; --stages takes the cut directory that holds "
                        "it: `st`"),
     "stages_too_high": (["kernjax.run", "--stages", ".", "--tokens", "5"],
-                        "`.` holds no stage0/ .. directories; it holds cuts: pass one of `st`, `sw`"),
+                        "`.` holds no stage0/ .. directories; it holds cuts: pass one of "
+                        "`badman`, `st`, `sw`"),
     "stages_missing": (["kernjax.run", "--stages", "nowhere", "--tokens", "5"],
                        "--stages `nowhere` does not exist"),
     "weights_missing": (["kernjax.run", "--weights", "nowhere", "--tokens", "5"],
@@ -126,6 +137,19 @@ REFUSALS = {
                     "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
     "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
+    # damaged inputs
+    "config_types": (["kernjax.run", "--weights", "badcfg", "--tokens", "1"],
+                     "config.json` gives hidden '64': sizes are integers"),
+    "safetensors_cut_short": (["kernjax.run", "--weights", "trunc", "--tokens", "1"],
+                              "is not a safetensors file this reader can read"),
+    "tokenizer_broken": (["kernjax.run", "--weights", "badtok", "--prompt", "Hi"],
+                         "is not a tokenizer the tokenizers library reads"),
+    "manifest_field": (["kernjax.run", "--stages", "badman", "--tokens", "1"],
+                       "stage1/manifest.json` is malformed (KeyError: 'cut')"),
+    "chunk_huge": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+                    "10000000000000"], "--chunk 10000000000000 must be at least 1 and below 2^31"),
+    "run_chunk_negative": (["kernjax.run", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
+                           "-1 is not an integer in the range [1, 2147483647]"),
     # absl's own flag parsing: a missing, malformed or unknown flag
     "flag_missing": (["kernjax.cut", "--model", MODEL], "--at is required; --out is required"),
     "flag_malformed": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
