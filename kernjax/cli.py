@@ -61,6 +61,8 @@ def run(main_def) -> None:
             except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
                     RuntimeError, OSError) as e:
                 _fail(str(e))
+            except MemoryError as e:  # states sized past the host's memory, say
+                _fail(f"out of memory: {e}; lower --pages, --seqs or --context")
 
         app.run(wrapped, flags_parser=_parse)
     except KeyboardInterrupt as e:
@@ -416,8 +418,9 @@ prompt's length and its first token."""
               + (f" {text!r}" if text is not None else "")
               + f" ({time.time() - t0:.2f} s, compile included)")
         if FLAGS.save:
-            np.savez(FLAGS.save, logits=logits, token=np.int32(token))
-            print(f"saved logits and token to {FLAGS.save}")
+            save = FLAGS.save if FLAGS.save.endswith(".npz") else FLAGS.save + ".npz"  # as numpy
+            np.savez(save, logits=logits, token=np.int32(token))
+            print(f"saved logits and token to {save}")
 
     return main
 

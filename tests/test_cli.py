@@ -173,6 +173,8 @@ WORKS = {
                   "prompt 0: 1 token, 1 chunk: IDENTICAL\nPASS: 1 prompt bitwise identical"),
     "text_on_random_weights": (["kernjax.run", "--model", MODEL, "--prompt", "Hello"],
                                "prompt: 1 token; first token: "),
+    "save_adds_npz": (["kernjax.run", "--model", MODEL, "--tokens", "5", "--save", "last"],
+                      "saved logits and token to last.npz"),
     "moved_with_weights": (["kernjax.run", "--stages", "sw", "--weights", "moved", "--tokens",
                             "5 6"], "prompt: 2 tokens; first token: "),
 }
