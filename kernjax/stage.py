@@ -187,6 +187,8 @@ def read(path: str | os.PathLike) -> Artifact:
                             "re-run `kernjax.cut`")
     try:
         return _read(path, m)
+    except ArtifactError:
+        raise
     except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field removed or changed
         raise ArtifactError(f"`{mpath}` is malformed ({type(e).__name__}: {str(e)[:120]}); "
                             "re-run `kernjax.cut`") from None

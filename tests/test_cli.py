@@ -56,6 +56,8 @@ def work(tmp_path_factory):
     man = json.loads((t / "badman" / "stage1" / "manifest.json").read_text())
     (t / "badman" / "stage1" / "manifest.json").write_text(json.dumps(
         {k: v for k, v in man.items() if k != "cut"}))
+    shutil.copytree(t / "st", t / "oldjax")
+    (t / "oldjax" / "stage1" / "manifest.json").write_text(json.dumps({**man, "jax": "0.0.1"}))
     (t / "foreign").mkdir()
     (t / "foreign" / "config.json").write_text("{}")
     (t / "one.txt").write_text("7\n")
@@ -116,7 +118,7 @@ REFUSALS = {
                        "it: `st`"),
     "stages_too_high": (["kernjax.run", "--stages", ".", "--tokens", "5"],
                         "`.` holds no stage0/ .. directories; it holds cuts: pass one of "
-                        "`badman`, `st`, `sw`"),
+                        "`badman`, `oldjax`, `st`, `sw`"),
     "stages_missing": (["kernjax.run", "--stages", "nowhere", "--tokens", "5"],
                        "--stages `nowhere` does not exist"),
     "weights_missing": (["kernjax.run", "--weights", "nowhere", "--tokens", "5"],
@@ -146,6 +148,8 @@ REFUSALS = {
                          "is not a tokenizer the tokenizers library reads"),
     "manifest_field": (["kernjax.run", "--stages", "badman", "--tokens", "1"],
                        "stage1/manifest.json` is malformed (KeyError: 'cut')"),
+    "manifest_jax": (["kernjax.run", "--stages", "oldjax", "--tokens", "1"],
+                     "stage1` was exported by jax 0.0.1; this is jax"),
     "chunk_huge": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
                     "10000000000000"], "--chunk 10000000000000 must be at least 1 and below 2^31"),
     "run_chunk_negative": (["kernjax.run", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
