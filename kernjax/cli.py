@@ -374,8 +374,8 @@ prompt's length and its first token."""
     source_flags()
     flags.DEFINE_string("prompt", None, "a text prompt (needs the checkpoint's tokenizer.json)")
     flags.DEFINE_string("tokens", None, "a prompt as token ids: \"1 2 3\"")
-    flags.DEFINE_integer("chunk", None, "rows per chunk (default 512, or the stages' rows)", lower_bound=1,
-                         upper_bound=2**31 - 1)
+    flags.DEFINE_integer("chunk", None, "rows per chunk (default 512, or the stages' rows)",
+                         lower_bound=1, upper_bound=2**31 - 1)
     flags.DEFINE_string("stages", None, "run the stage artifacts in this directory instead")
     flags.DEFINE_string("save", None, "write logits (last row, float32) and token to FILE.npz")
 
@@ -473,8 +473,8 @@ and through its stages, compares logits and tokens bitwise after every chunk, pr
 prompt and PASS or FAIL; exits 0 on PASS, 1 on FAIL."""
     flags.DEFINE_string("stages", None, "a `kernjax.cut --out` directory (whole/ and stage*/)")
     flags.DEFINE_string("prompts", None, "a file with one line of token ids per prompt")
-    flags.DEFINE_integer("chunk", None, "rows per chunk (default: the stages' rows)", lower_bound=1,
-                         upper_bound=2**31 - 1)
+    flags.DEFINE_integer("chunk", None, "rows per chunk (default: the stages' rows)",
+                         lower_bound=1, upper_bound=2**31 - 1)
     flags.DEFINE_string("weights", None, "a checkpoint overriding the one the stages record")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "must match the stages' dtype")
     flags.mark_flags_as_required(["stages", "prompts"])
