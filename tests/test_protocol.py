@@ -149,6 +149,19 @@ def _handshakes(server, *, wait=5.0, deadline=5.0):
     return got, lines, done
 
 
+def test_a_refusal_is_logged_on_one_line_whatever_the_peer_sent():
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        peer = socket.create_connection(server.getsockname())
+        peer.sendall(encode("HELLO", {"why": "x\npp item stage=0 item=9 rows=1 issued_us=1 "
+                                             "done_us=2 \u00e9"}))
+        lines = []
+        handshakes(server, lambda conn, kind, header: header["why"], done=lambda: False,
+                   deadline=time.time() + 1.0, log=lines.append, wait=1.0)
+        peer.close()
+    assert len(lines) == 1 and "\n" not in lines[0] and lines[0].isascii(), lines
+    assert "x\\npp item" in lines[0], lines
+
+
 def test_silent_and_malformed_peers_delay_no_handshake():
     with socket.create_server(("127.0.0.1", 0)) as server:
         addr = server.getsockname()

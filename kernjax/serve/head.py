@@ -52,16 +52,6 @@ from kernjax.timeline import log_item
 HELLO_MAX = 1 << 20
 
 
-def _open(sock: socket.socket) -> bool:
-    """Whether the peer of `sock` is still there (it sends nothing until its Table)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
-    except BlockingIOError:
-        return True
-    except OSError:
-        return False
-
-
 class Refused(Exception):
     """A request the server will not run; `status` is the HTTP status to answer with."""
 
@@ -188,7 +178,7 @@ class Head:
         deadline = time.time() + timeout
         while done := handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
                                  deadline=deadline, log=say, limit=min(self.max_frame, HELLO_MAX)):
-            gone = [s for s, (conn, _, _) in hellos.items() if not _open(conn.sock)]
+            gone = [s for s, (conn, _, _) in hellos.items() if not conn.alive()]
             if not gone:
                 break
             for s in gone:  # it said Hello, then went: wait for it again (restarted, say)
@@ -229,7 +219,7 @@ class Head:
         if type(s) is not int or not 1 <= s < self.stages or hello.get("stages") != self.stages:
             return (f"a Hello from stage {s!r} of {hello.get('stages')!r} stages; this cut has "
                     f"stages 0..{self.stages - 1}")
-        if s in hellos and _open(hellos[s][0].sock):
+        if s in hellos and hellos[s][0].alive():  # a stage sends nothing until its Table
             return f"stage {s} has joined already"
         pages, listen, fills = hello.get("pages"), hello.get("listen"), hello.get("fills")
         bad = [k for k, ok in (

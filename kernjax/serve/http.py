@@ -49,6 +49,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kernjax.serve.head import Head, Refused
+from kernjax.serve.protocol import one_line
 
 log = logging.getLogger("kernjax.serve.http")
 log.setLevel(logging.INFO)  # its client-mistake lines show under the shells' WARNING verbosity
@@ -123,11 +124,6 @@ def _error(status: int, message: str, *, param: str | None = None) -> web.Respon
     kind = kind.get(status, "invalid_request_error" if status < 500 else "service_unavailable")
     return web.json_response({"error": {"message": message, "type": kind, "param": param,
                                         "code": status}}, status=status)
-
-
-def _line(s: str) -> str:
-    """`s` for a log line: newlines and what is not ASCII escaped, so a client cannot split it."""
-    return s.encode("ascii", "backslashreplace").decode().replace("\n", "\\n").replace("\r", "\\r")
 
 
 def _show(v) -> str:
@@ -451,7 +447,8 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                    else "unavailable")
         metrics.requests.labels(outcome).inc()
         log.log(logging.INFO if status < 500 else logging.WARNING, "http: %s %s from %s: %d %s",
-                request.method, _line(request.path[:200]), request.remote, status, _line(message))
+                request.method, one_line(request.path[:200]), request.remote, status,
+                one_line(message))
         resp = _error(status, message, param=param)
         if allow:
             resp.headers["Allow"] = ", ".join(sorted(allow))
@@ -506,7 +503,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             if isinstance(e, HttpProcessingError):
                 metrics.requests.labels("bad_request").inc()
             record.msg, record.args = "http: a malformed request, answered 400: %s", (
-                _line(str(getattr(e, "message", e))[:200]),)
+                one_line(str(getattr(e, "message", e))[:200]),)
             record.exc_info = record.exc_text = None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True

@@ -55,6 +55,13 @@ class Closed(ConnectionError):
     """The peer closed the connection."""
 
 
+def one_line(text: str) -> str:
+    """`text` for a log line: newlines and what is not ASCII escaped, so that what a peer or a
+    client sent cannot split the line (or forge a `pp item` one)."""
+    return text.encode("ascii", "backslashreplace").decode().replace("\n", "\\n").replace(
+        "\r", "\\r")
+
+
 def _dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
@@ -124,6 +131,15 @@ class Conn:
         self.sock, self.name, self.limit = sock, name, limit
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._lock = threading.Lock()
+
+    def alive(self) -> bool:
+        """Whether the peer is still there, for a connection it sends nothing on meanwhile."""
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) != b""
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
 
     def _read(self, n: int, deadline: float | None = None) -> bytes:
         buf = bytearray()
@@ -233,15 +249,15 @@ def handshakes(server: socket.socket, take, *, done, deadline: float, log,
                 why = "the pipeline is complete" if done() else take(conn, kind, header)
             if why is None:
                 return
-            log(f"refused {name}: {why}")
+            log(f"refused {name}: {one_line(why)}")
             try:
                 conn.send("ERROR", {"message": why})
             except Closed:
                 pass
         except (ProtocolError, Closed) as e:
-            log(f"refused a connection: {e}")
+            log(f"refused a connection: {one_line(str(e))}")
         except Exception as e:  # noqa: BLE001 (a frame whose fields break a check is refused too)
-            log(f"refused {name}: {type(e).__name__}: {e}")
+            log(f"refused {name}: {type(e).__name__}: {one_line(str(e))}")
         finally:
             with lock:
                 pending[0] -= 1
