@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -66,16 +67,29 @@ def run(main_def) -> None:
 
         app.run(wrapped, flags_parser=_parse)
     except KeyboardInterrupt as e:
-        term = str(e) == "SIGTERM"
-        print("terminated" if term else "interrupted", file=sys.stderr, flush=True)
-        try:
-            sys.stdout.flush()
-        finally:
-            os._exit(143 if term else 130)  # at once: a thread still running must not hold the exit
+        _exit_now(str(e))
+
+
+# Seconds after Ctrl-C (or SIGTERM) before the process ends without its KeyboardInterrupt: one
+# raised inside a callback (a JAX GC hook during a cut, say) is printed as ignored and lost.
+STOP_GRACE = 5.0
+_EXITING = threading.Lock()
 
 
 def _stop(signum, _frame):
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    name = signal.Signals(signum).name
+    threading.Thread(target=_exit_now, args=(name, STOP_GRACE), daemon=True).start()
+    raise KeyboardInterrupt(name)
+
+
+def _exit_now(name: str, after: float = 0.0) -> None:
+    time.sleep(after)
+    _EXITING.acquire()  # one line: the unwinding and the grace thread may both get here
+    print("terminated" if name == "SIGTERM" else "interrupted", file=sys.stderr, flush=True)
+    try:
+        sys.stdout.flush()
+    finally:  # at once: a thread still running must not hold the exit
+        os._exit(143 if name == "SIGTERM" else 130)
 
 
 def usage(doc: str, own) -> str:
@@ -267,6 +281,8 @@ whole/ into DIR, replacing a previous cut there."""
             extra["slots"] = FLAGS.slots
         program = fam.program(cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
                               context=FLAGS.context, pages=FLAGS.pages, **extra)
+        if "dir" in ref:
+            _check_checkpoint(fam, cfg, program, Path(ref["dir"]))
         auto = FLAGS.at.strip() == "auto"
         stages = auto_cut(program, cfg.name) if auto else \
             cut(program, parse_at(FLAGS.at, program.calls))
@@ -280,6 +296,23 @@ whole/ into DIR, replacing a previous cut there."""
               f"{time.time() - t0:.1f} s")
 
     return main
+
+
+def _check_checkpoint(fam, cfg, program, ckpt: Path) -> None:
+    """Every tensor the program reads, or derives its weights from, is in the checkpoint with its
+    shape (the files' headers only): a config.json that contradicts its safetensors is refused
+    at the cut, not when a stage loads."""
+    from kernjax import weights
+    recipes = fam.derived(cfg) if hasattr(fam, "derived") else []
+    made = {n for r in recipes for n, _, _ in r.outputs}
+    want = [(s.name, s.shape, s.dtype) for s in program.inputs
+            if s.role == "weight" and s.name not in made]
+    try:
+        weights.load(ckpt, want + [src for r in recipes for src in r.sources],
+                     fallbacks=fam.FALLBACKS, shapes_only=True)
+    except weights.WeightError as e:
+        raise weights.WeightError(f"{e}\nThe program follows `{ckpt / 'config.json'}`: it and "
+                                  "the checkpoint's tensors disagree; mend one of them") from None
 
 
 def write_cut(out: Path, stages, old: list[str], meta: dict) -> None:

@@ -52,7 +52,8 @@ def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
     """Reads the `pp item` lines among `lines` into stage -> item -> (issued_us, done_us, rows).
 
     Raises:
-      ValueError: no line is a `pp item` line, or one stage logs one item twice.
+      ValueError: no line is a `pp item` line, one stage logs one item twice, or a line's item
+        is done before it was issued.
     """
     items: dict[int, dict[int, tuple[int, int, int]]] = {}
     for line in lines:
@@ -64,6 +65,9 @@ def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
         if item in per:
             raise ValueError(f"stage {stage} logs item {item} twice; give each stage's log once, "
                              "and one run per log")
+        if done < issued:
+            raise ValueError(f"stage {stage} item {item}: done_us {done} precedes issued_us "
+                             f"{issued}; a `pp item` line gives its issue time first")
         per[item] = (issued, done, rows)
     if not items:
         raise ValueError("no `pp item stage=S item=K rows=R issued_us=I done_us=D` lines found; "

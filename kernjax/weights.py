@@ -124,8 +124,8 @@ def _files(ckpt: Path) -> dict[str, Path]:
 
 
 def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str]], *,
-         fallbacks: Mapping[str, str] | None = None, progress: bool = True
-         ) -> dict[str, np.ndarray]:
+         fallbacks: Mapping[str, str] | None = None, progress: bool = True,
+         shapes_only: bool = False) -> dict[str, np.ndarray]:
     """Reads the tensors `want` (`(name, shape, dtype)`) from a checkpoint directory.
 
     Args:
@@ -133,6 +133,8 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
       want: each tensor's checkpoint name, expected shape and the dtype to cast it to.
       fallbacks: for a tensor the checkpoint may omit, the tensor read instead.
       progress: print progress to stderr for loads over 256 MiB.
+      shapes_only: check that every tensor is there with its shape (the files' headers), read
+        none, return {}.
     """
     ckpt = Path(ckpt)
     where = _files(ckpt)
@@ -159,6 +161,8 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
                 continue
             if got != shape:
                 errs.append(f"tensor `{src}` has shape {list(got)}; the model expects {list(shape)}")
+                continue
+            if shapes_only:
                 continue
             try:
                 x = handles[f].get_tensor(src)

@@ -101,6 +101,11 @@ def test_timestamped_lines_parse_like_bare_ones():
     assert parse(stamped) == parse(bare)
 
 
+def test_an_item_done_before_it_was_issued_is_refused():
+    with pytest.raises(ValueError, match="stage 1 item 4: done_us 90 precedes issued_us 100"):
+        parse(["pp item stage=1 item=4 rows=8 issued_us=100 done_us=90"])
+
+
 def test_other_lines_are_ignored():
     assert parse(_log([10, 5, 8], 6, noise=True)) == parse(_log([10, 5, 8], 6))
 
