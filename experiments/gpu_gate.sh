@@ -45,6 +45,9 @@
 #   ipcbw      (nvidia-h200-x2) experiments/ipc_bandwidth.py: GB/s of one process writing into the
 #              other GPU's memory through CUDA IPC, each seeing one GPU against both seeing both
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
+#   clocks     experiments/clocks.py: the SM clock, power and clock-event reasons (nvidia-smi, read
+#              only) under 8192^3 GEMMs of random and of zero operands, the 8k prefill in one
+#              chunk and the attention kernel alone: the peak MFU's 989 TFLOP/s assumes 1980 MHz
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
 #              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/
@@ -399,6 +402,12 @@ for step in "$@"; do
       python -c 'import json, sys; c = json.load(open(sys.argv[1]))["calls"]; a = sum(x["ms"] for x in c[:218]); b = sum(x["ms"] for x in c[218:]); print(f"--at 18 by the same profile: {a:.3f}, {b:.3f} ms, the longest {2 * max(a, b) / (a + b):.3f} of even")' "$OUT/logs/calls-$r.json" | say
       rm -rf "cuts/auto-$r"
     done ;;
+  clocks)
+    log "SM clock and power under GEMMs, the 8k prefill and attention"
+    timeout 300 python experiments/clocks.py --seconds "${CLOCK_SECONDS:-8}" --out "$OUT/clocks.json" \
+      > "$OUT/logs/clocks.log" 2>&1
+    echo "clocks.py: exit $?" | say
+    tail -10 "$OUT/logs/clocks.log" | say ;;
   prefill)
     log "prefill benchmark"
     python experiments/prefill.py --out "$OUT/prefill" --profile "${PROFILE-8192}" \
