@@ -7,11 +7,14 @@ back, for `--seconds` each:
 
   matmul-random  bf16 8192^3 products of N(0, 1) operands (JAX): the GEMM ceiling
   matmul-zeros   the same products of zeros: the same instructions, less power
+  gemm-gate      qwen3-4b's gate product at 8192 rows (8192 x 2560 by 2560 x 9728), weights
+                 N(0, 0.02)
   prefill        qwen3-4b prefill of one 8192-token prompt in one chunk, kernjax whole
                  (random N(0, 0.02) weights, as `experiments/prefill.py`)
   attention      the chunk-attention kernel alone, 8192 rows on 8192 keys (square causal)
 
-and prints per phase: TFLOP/s (median of the timed runs), SM clock (median, 10th percentile),
+and prints per phase: TFLOP/s (median of the timed reps of 10 calls back to back, one
+prefill), SM clock (median, 10th percentile),
 power (mean), the clock-event reasons seen, and the peak at the median clock (989 TFLOP/s x
 clock / 1980 MHz). It only reads the clocks; it sets nothing.
 
@@ -69,26 +72,40 @@ def read_samples(path: Path) -> list[tuple[float, float, float, float, str]]:
     return out
 
 
-def run_for(fn, seconds: float, flop: float) -> dict:
-    """Calls fn() (which blocks until done) for `seconds` after two warm-ups; times each."""
-    fn()
-    fn()
+def run_for(phase, seconds: float) -> dict:
+    """Runs `phase` for `seconds` after two warm-ups: each timed rep is `inner` calls back to back
+    (the host's sync amortized), `setup` (not timed) before each."""
+    fn, flop, inner, setup = phase
+    for _ in range(2):
+        setup()
+        jax.block_until_ready(fn())
     t0, times = time.time(), []
     while time.time() - t0 < seconds:
+        setup()
         a = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - a)
+        for _ in range(inner - 1):
+            fn()
+        jax.block_until_ready(fn())
+        times.append((time.perf_counter() - a) / inner)
     ms = statistics.median(times) * 1e3
-    return {"t0": t0, "t1": time.time(), "runs": len(times), "ms": ms,
+    return {"t0": t0, "t1": time.time(), "runs": len(times) * inner, "ms": ms,
             "tflop_s": flop / (ms / 1e3) / 1e12}
 
 
-def matmul(zeros: bool, n: int):
+def _none():
+    return None
+
+
+def matmul(n: int, m: int, k: int, scale: float | None):
+    """An (n, k) x (k, m) bf16 product: N(0, 1) times N(0, scale) operands, or zeros (None)."""
     k1, k2 = jax.random.split(jax.random.key(0))
-    a, b = ((jnp.zeros((n, n), jnp.bfloat16),) * 2 if zeros else
-            (jax.random.normal(k1, (n, n), jnp.bfloat16), jax.random.normal(k2, (n, n), jnp.bfloat16)))
+    if scale is None:
+        a, b = jnp.zeros((n, k), jnp.bfloat16), jnp.zeros((k, m), jnp.bfloat16)
+    else:
+        a = jax.random.normal(k1, (n, k), jnp.bfloat16)
+        b = (jax.random.normal(k2, (k, m), jnp.float32) * scale).astype(jnp.bfloat16)
     f = jax.jit(lambda a, b: a @ b)
-    return (lambda: f(a, b).block_until_ready()), 2.0 * n ** 3
+    return (lambda: f(a, b)), 2.0 * n * m * k, 10, _none
 
 
 def prefill(model: str, s: int):
@@ -101,11 +118,7 @@ def prefill(model: str, s: int):
     tokens = {s: np.random.default_rng(0).integers(0, cfg.vocab, s).astype(np.int32)}
     system = pf.Kernjax("kernjax", fam, cfg, args, weights, tokens)
     h, _ = system.prepare(s, s)
-
-    def once():
-        system.reset(h)
-        system.prefill(h)
-    return once, pf.flops(cfg, s)
+    return (lambda: system.prefill(h)[1]), pf.flops(cfg, s), 1, lambda: system.reset(h)
 
 
 def attention():
@@ -114,33 +127,36 @@ def attention():
     fn = at.kernel_fn("hopper", at.CONFIGS["hopper"][0], scale, False)
     x = at.make_set(jax.random.key(0), 8192, 8192, 32, 8, 128, jnp.bfloat16)
     pairs = 8192 * 8193 / 2
-    return (lambda: fn(*x).block_until_ready()), 4 * 32 * 128 * pairs
+    return (lambda: fn(*x)), 4 * 32 * 128 * pairs, 10, _none
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="per phase")
-    ap.add_argument("--phases", default="matmul-random,matmul-zeros,prefill,attention")
+    ap.add_argument("--phases", default="matmul-random,matmul-zeros,gemm-gate,prefill,attention")
     ap.add_argument("--out", default=None, help="write the phases and every sample as JSON here")
     ap.add_argument("--model", default="qwen3-4b", help="the prefill's model (qwen3-tiny: a CPU "
                     "smoke test, with --size 256 --phases matmul-random,prefill)")
     ap.add_argument("--prompt", type=int, default=8192, help="the prefill's prompt, one chunk")
     ap.add_argument("--size", type=int, default=8192, help="the matmuls' n")
     args = ap.parse_args()
-    makers = {"matmul-random": lambda: matmul(False, args.size),
-              "matmul-zeros": lambda: matmul(True, args.size),
+    n = args.size
+    makers = {"matmul-random": lambda: matmul(n, n, n, 1.0),
+              "matmul-zeros": lambda: matmul(n, n, n, None),
+              # qwen3-4b's gate (or up) product at 8192 rows, weights N(0, 0.02) as prefill's
+              "gemm-gate": lambda: matmul(n, n * 19 // 16, n * 5 // 16, 0.02),
               "prefill": lambda: prefill(args.model, args.prompt), "attention": attention}
     path = Path(tempfile.mkdtemp()) / "smi.csv"
     smi = sample(path)
     phases = {}
     try:
         for name in args.phases.split(","):
-            fn, flop = makers[name]()
+            phase = makers[name]()
             time.sleep(1.0)  # a gap between phases in the samples
-            phases[name] = run_for(fn, args.seconds, flop)
+            phases[name] = run_for(phase, args.seconds)
             print(f"{name}: {phases[name]['runs']} runs, {phases[name]['ms']:.3f} ms, "
                   f"{phases[name]['tflop_s']:.1f} TFLOP/s", flush=True)
-            del fn
+            del phase
     finally:
         time.sleep(0.3)
         if smi is not None:
