@@ -12,6 +12,8 @@ back, for `--seconds` each:
   prefill        qwen3-4b prefill of one 8192-token prompt in one chunk, kernjax whole
                  (random N(0, 0.02) weights, as `experiments/prefill.py`)
   attention      the chunk-attention kernel alone, 8192 rows on 8192 keys (square causal)
+  prefill-idle   the prefill one at a time, each after 3 s idle: a burst, as a benchmark that
+                 times a few runs sees it
 
 and prints per phase: TFLOP/s (median of the timed reps of 10 calls back to back, one
 prefill), SM clock (median, 10th percentile),
@@ -79,16 +81,18 @@ def run_for(phase, seconds: float) -> dict:
     for _ in range(2):
         setup()
         jax.block_until_ready(fn())
-    t0, times = time.time(), []
+    t0, times, spans = time.time(), [], []
     while time.time() - t0 < seconds:
         setup()
-        a = time.perf_counter()
+        a, wall = time.perf_counter(), time.time()
         for _ in range(inner - 1):
             fn()
         jax.block_until_ready(fn())
         times.append((time.perf_counter() - a) / inner)
+        spans.append((wall, time.time()))
     ms = statistics.median(times) * 1e3
     return {"t0": t0, "t1": time.time(), "runs": len(times) * inner, "ms": ms,
+            "all_ms": [t * 1e3 for t in times], "spans": spans,
             "tflop_s": flop / (ms / 1e3) / 1e12}
 
 
@@ -108,7 +112,7 @@ def matmul(n: int, m: int, k: int, scale: float | None):
     return (lambda: f(a, b)), 2.0 * n * m * k, 10, _none
 
 
-def prefill(model: str, s: int):
+def prefill(model: str, s: int, idle: float = 0.0):
     import prefill as pf
     from kernjax import models
     args = pf.parse_args(["--model", model, "--prompts", str(s), "--chunks", "whole",
@@ -118,7 +122,10 @@ def prefill(model: str, s: int):
     tokens = {s: np.random.default_rng(0).integers(0, cfg.vocab, s).astype(np.int32)}
     system = pf.Kernjax("kernjax", fam, cfg, args, weights, tokens)
     h, _ = system.prepare(s, s)
-    return (lambda: system.prefill(h)[1]), pf.flops(cfg, s), 1, lambda: system.reset(h)
+    def setup():
+        system.reset(h)
+        time.sleep(idle)
+    return (lambda: system.prefill(h)[1]), pf.flops(cfg, s), 1, setup
 
 
 def attention():
@@ -133,7 +140,8 @@ def attention():
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=8.0, help="per phase")
-    ap.add_argument("--phases", default="matmul-random,matmul-zeros,gemm-gate,prefill,attention")
+    ap.add_argument("--phases", default="prefill-idle,matmul-zeros,matmul-random,gemm-gate,"
+                    "prefill,attention")
     ap.add_argument("--out", default=None, help="write the phases and every sample as JSON here")
     ap.add_argument("--model", default="qwen3-4b", help="the prefill's model (qwen3-tiny: a CPU "
                     "smoke test, with --size 256 --phases matmul-random,prefill)")
@@ -145,7 +153,10 @@ def main():
               "matmul-zeros": lambda: matmul(n, n, n, None),
               # qwen3-4b's gate (or up) product at 8192 rows, weights N(0, 0.02) as prefill's
               "gemm-gate": lambda: matmul(n, n * 19 // 16, n * 5 // 16, 0.02),
-              "prefill": lambda: prefill(args.model, args.prompt), "attention": attention}
+              "prefill": lambda: prefill(args.model, args.prompt), "attention": attention,
+              # one prefill at a time after 3 s idle, as a benchmark that times a few runs
+              # sees the GPU: its power limit averages over time, so a burst runs faster
+              "prefill-idle": lambda: prefill(args.model, args.prompt, idle=3.0)}
     path = Path(tempfile.mkdtemp()) / "smi.csv"
     smi = sample(path)
     phases = {}
@@ -163,13 +174,20 @@ def main():
             smi.terminate()
             smi.wait()
     samples = read_samples(path) if path.exists() else []
+    if shutil.which("nvidia-smi"):
+        print(subprocess.run(["nvidia-smi", "-i", "0", "--query-gpu=power.limit,"
+                              "enforced.power.limit,power.max_limit,clocks.max.sm",
+                              "--format=csv"], capture_output=True, text=True).stdout.strip())
     print(f"\n{len(samples)} nvidia-smi samples; {jax.devices()[0].device_kind}, jax {jax.__version__}")
     print("| phase | TFLOP/s | % of 989 | SM MHz median | p10 | W mean | C max | peak at median "
           "clock | % of it | reasons |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for name, p in phases.items():
-        # the first second of a phase is the clock coming down: left out
-        s = [x for x in samples if p["t0"] + 1.0 <= x[0] <= p["t1"]]
+        # samples while a timed rep ran; past the first second of a sustained phase (the clock
+        # coming down)
+        skip = 0.0 if name.endswith("-idle") else 1.0
+        s = [x for x in samples if x[0] >= p["t0"] + skip
+             and any(a <= x[0] <= b for a, b in p["spans"])]
         if not s:
             print(f"| {name} | {p['tflop_s']:.1f} | no samples |")
             continue
