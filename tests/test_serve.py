@@ -453,6 +453,7 @@ def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_
         assert _wait(head, 30) == 2, head.text()
         assert "stages [2] did not join within 8 s" in head.text(), head.text()
         assert _wait(first, 30) not in (None, 0)
+        assert "the head gives up: stages [2] did not join" in first.text(), first.text()
     finally:
         head.p.kill()
         first.p.kill()

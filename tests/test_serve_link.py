@@ -288,3 +288,27 @@ def test_a_stage_started_before_its_head_waits_and_checks_its_predecessor(cut, t
         for sock in socks:
             sock.close()
         stage.p.kill()
+
+
+def test_a_stage_the_head_closes_unanswered_asks_again(cut, tmp_path):
+    """A head busy with 64 connections yet to say who they are closes a new one unanswered: the
+    stage asks again (until --startup_timeout) where it used to exit; a refusal still ends it."""
+    pp = _port()
+    with socket.create_server(("127.0.0.1", pp)) as server:  # the head, played by the test
+        server.settimeout(60)
+        stage = _joiner(cut / "stage1", pp, tmp_path / "stage.log")
+        try:
+            sock, _ = server.accept()
+            sock.close()  # unanswered
+            sock, _ = server.accept()
+            head = Conn(sock, name="stage 1")
+            hello, _ = head.expect("HELLO")
+            assert hello["stage"] == 1, hello
+            head.send("ERROR", {"message": "a refusal for the test"})
+            assert _wait(stage, 30) == 1, stage.text()
+        finally:
+            stage.p.kill()
+    text = stage.text()
+    assert "the head closed the connection unanswered" in text, text
+    assert "refused: a refusal for the test" in text, text
+    _clean(text)

@@ -187,8 +187,13 @@ class Head:
         self._server.close()
         if not done:
             missing = sorted(set(range(1, self.stages)) - set(hellos))
-            raise RuntimeError(f"stages {missing} did not join within {timeout:g} s "
-                               f"(--startup_timeout); start them with --pp_head {self.listen}")
+            why = f"stages {missing} did not join within {timeout:g} s (--startup_timeout)"
+            for conn, _, _ in hellos.values():  # told, a joined stage ends; closed, it asks again
+                try:
+                    conn.send("ERROR", {"message": f"the head gives up: {why}"})
+                except ConnectionError:
+                    pass
+            raise RuntimeError(f"{why}; start them with --pp_head {self.listen}")
         pages = min([self.shape.pages] + [h["pages"] for _, h, _ in hellos.values()])
         for s, (conn, hello, ip) in sorted(hellos.items()):
             nxt = hellos.get(s + 1)

@@ -80,13 +80,29 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         in_edge, via = edge.receiving(art.arrivals, art.index - 1, transport, edge_slots)
         out_edge = None
         server = socket.create_server((host, 0))
-        hconn = connect(head, "the head", startup_timeout, limit=max_frame, say=say)
         fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
-        hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
-                             "pages": art.item.pages, "listen": server.getsockname()[1],
-                             "arrivals": _slots(art.arrivals), "departures": _slots(art.departures),
-                             "fills": fills, "memory": runner.memory(), **via})
-        table, _ = hconn.expect("TABLE")
+        deadline, said = time.time() + startup_timeout, False
+        while True:  # a head that closes unanswered (64 strangers yet to say who they are) is
+            # asked again; one that refuses (an ERROR frame) is not
+            hconn = connect(head, "the head", max(1.0, deadline - time.time()), limit=max_frame,
+                            say=say)
+            try:
+                hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
+                                     "pages": art.item.pages, "listen": server.getsockname()[1],
+                                     "arrivals": _slots(art.arrivals),
+                                     "departures": _slots(art.departures), "fills": fills,
+                                     "memory": runner.memory(), **via})
+                table, _ = hconn.expect("TABLE")
+                break
+            except ConnectionError as e:
+                hconn.close()
+                if time.time() > deadline:
+                    raise
+                if not said:
+                    say(f"the head closed the connection unanswered ({e}); asking again until "
+                        "--startup_timeout")
+                said = True
+                time.sleep(1.0)
         if type(table.get("pages")) is not int or table["pages"] < 2 or not (
                 table.get("next") is None or isinstance(table["next"], dict)):
             die(f"the head sent a malformed Table: {str(table)[:200]}")
