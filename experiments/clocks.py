@@ -50,7 +50,8 @@ REASONS = {0: "none", 1: "idle", 2: "app-clocks", 4: "sw-power-cap", 8: "hw-slow
 QUERY = "timestamp,clocks.sm,power.draw,temperature.gpu,{}.active"
 
 
-def sample(path: Path) -> subprocess.Popen | None:
+def sample(path: Path, every_ms: int = 20) -> subprocess.Popen | None:
+    """nvidia-smi writing a sample of GPU 0 to `path` every `every_ms`; None without one."""
     if shutil.which("nvidia-smi") is None:  # a CPU smoke test: the phases without samples
         return None
     # the clock-event reasons were "throttle reasons" before driver 535
@@ -58,7 +59,7 @@ def sample(path: Path) -> subprocess.Popen | None:
         ["nvidia-smi", "--query-gpu=clocks_event_reasons.active", "--format=csv"],
         capture_output=True).returncode == 0 else "clocks_throttle_reasons"
     return subprocess.Popen(["nvidia-smi", "-i", "0", f"--query-gpu={QUERY.format(reasons)}",
-                             "--format=csv,noheader,nounits", "-lms", "20", "-f", str(path)])
+                             "--format=csv,noheader,nounits", "-lms", str(every_ms), "-f", str(path)])
 
 
 def read_samples(path: Path) -> list[tuple[float, float, float, float, str]]:
@@ -72,6 +73,16 @@ def read_samples(path: Path) -> list[tuple[float, float, float, float, str]]:
         except (ValueError, IndexError):
             continue
     return out
+
+
+def during(samples, spans) -> dict | None:
+    """The SM clock (median, MHz) and power (mean, W) of the samples taken within `spans`
+    ((start, end) epoch seconds); None if none was."""
+    s = [x for x in samples if any(a <= x[0] <= b for a, b in spans)]
+    if not s:
+        return None
+    return {"sm_mhz": statistics.median(x[1] for x in s),
+            "watts": round(statistics.fmean(x[2] for x in s), 1), "samples": len(s)}
 
 
 def run_for(phase, seconds: float) -> dict:

@@ -86,6 +86,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import clocks  # noqa: E402  (experiments/clocks.py, this script's directory)
 from kernjax.cli import parse_at  # noqa: E402
 from kernjax.cut import cut, whole  # noqa: E402
 from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
@@ -97,6 +98,7 @@ SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "
 # later ones), torch last so JAX never has to give memory back to it.
 RUN_ORDER = ("jax-plain", "kernjax-unconstrained", "kernjax", "kernjax-2stages", "transformers")
 PEAK = 989e12  # H200 dense BF16 FLOP/s
+SMI = None  # the file nvidia-smi writes its samples to while main runs (None: no nvidia-smi)
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -633,11 +635,13 @@ class Results:
                 say(f"plot failed: {one_line(e)}")
 
     def table(self) -> str:
-        lines = ["| system | prompt | chunk | ms | tok/s | MFU % |",
-                 "|---|---:|---:|---:|---:|---:|"]
-        for r in self.data["rows"]:
+        lines = ["| system | prompt | chunk | ms | tok/s | MFU % | SM MHz, W |",
+                 "|---|---:|---:|---:|---:|---:|---:|"]
+        for r, x in zip(self.data["rows"], self.data["details"]):
+            c = x.get("clock")
             lines.append(f"| {r['system']} | {r['prompt']} | {r['chunk']} | {r['ms']:.2f} | "
-                         f"{r['tok_s']:.0f} | {100 * r['mfu']:.2f} |")
+                         f"{r['tok_s']:.0f} | {100 * r['mfu']:.2f} | "
+                         + (f"{c['sm_mhz']:.0f}, {c['watts']:.0f} |" if c else "- |"))
         return "\n".join(lines)
 
     def compile_table(self, key: str = "compile") -> str:
@@ -678,7 +682,10 @@ class Results:
                  f"{d['model']}, {d['dtype']}, random weights; median of {a.iters} timed "
                  "prefills of the whole prompt after one untimed warm-up (ms = time to first "
                  "token). tok/s = S / time; MFU = FLOPs(S) / time / "
-                 f"{a.peak / 1e12:.0f} TFLOP/s.", "", self.table(), ""]
+                 f"{a.peak / 1e12:.0f} TFLOP/s. SM MHz, W: the GPU's clock (median) and power "
+                 "(mean) while the timed prefills ran (nvidia-smi every 100 ms, read only; the "
+                 "peak is at 1980 MHz, and a GPU at its power limit runs lower: "
+                 "`experiments/results/2026-12-01-h200-clocks/`).", "", self.table(), ""]
         if d["skipped"]:
             lines += ["Rows not measured:", ""]
             lines += [f"- {x['system']} S={x['prompt']} chunk={x['chunk']}: {x['why']}"
@@ -916,12 +923,13 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
             iters = args.iters
             if math.isfinite(left):
                 iters = max(1, min(args.iters, int(left // max(first, 1e-9))))
-            times = []
+            times, spans = [], []
             for _ in range(iters):
                 sysobj.reset(h)
-                t = time.perf_counter()
+                t, wall = time.perf_counter(), time.time()
                 token, logits = sysobj.prefill(h)
                 times.append(time.perf_counter() - t)
+                spans.append((wall, time.time()))
             ms = statistics.median(times) * 1e3
             diff = self_diff = None
             lg = sysobj.to_numpy(logits)
@@ -939,7 +947,9 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                       "first_prefill_s": round(first, 3), "token": token, "logits_diff": diff,
                       "self_diff": None if self_diff is None else
                       {"chunk": self_diff[0], "max_abs": self_diff[1]},
-                      "chunk_first": label}
+                      "chunk_first": label,
+                      "clock": SMI and clocks.during(clocks.read_samples(SMI),
+                                                     [(spans[0][0], spans[-1][1])])}
             if s in args.profile and not sysobj.torch:
                 detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
@@ -1122,6 +1132,10 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
 
     res = Results(args, cfg, out)
+    global SMI
+    SMI = Path(tempfile.mkdtemp()) / "smi.csv"  # each row's SM clock and power, read only
+    smi = clocks.sample(SMI, every_ms=100)
+    SMI = SMI if smi else None
     a_, b_, c_ = flop_terms(cfg)
     say(f"{cfg.name} {args.dtype} on {res.data['gpu']} ({jax.default_backend()}), jax "
         f"{jax.__version__}; prompts {args.prompts}, chunks {args.chunks}, systems "
@@ -1221,6 +1235,8 @@ def main():
             say(f"{len(res.data['skipped'])} skipped (README lists why)")
         if _OWN_CACHE:
             shutil.rmtree(os.environ["KERNJAX_XLA_CACHE"], ignore_errors=True)
+        if smi:
+            smi.terminate()
 
 
 if __name__ == "__main__":
