@@ -98,7 +98,6 @@ SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "
 # later ones), torch last so JAX never has to give memory back to it.
 RUN_ORDER = ("jax-plain", "kernjax-unconstrained", "kernjax", "kernjax-2stages", "transformers")
 PEAK = 989e12  # H200 dense BF16 FLOP/s
-SMI = None  # the file nvidia-smi writes its samples to while main runs (None: no nvidia-smi)
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -947,9 +946,7 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                       "first_prefill_s": round(first, 3), "token": token, "logits_diff": diff,
                       "self_diff": None if self_diff is None else
                       {"chunk": self_diff[0], "max_abs": self_diff[1]},
-                      "chunk_first": label,
-                      "clock": SMI and clocks.during(clocks.read_samples(SMI),
-                                                     [(spans[0][0], spans[-1][1])])}
+                      "chunk_first": label, "window": [spans[0][0], spans[-1][1]]}
             if s in args.profile and not sysobj.torch:
                 detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
@@ -1132,10 +1129,8 @@ def main():
     signal.signal(signal.SIGTERM, on_term)
 
     res = Results(args, cfg, out)
-    global SMI
-    SMI = Path(tempfile.mkdtemp()) / "smi.csv"  # each row's SM clock and power, read only
-    smi = clocks.sample(SMI, every_ms=100)
-    SMI = SMI if smi else None
+    smi_file = Path(tempfile.mkdtemp()) / "smi.csv"  # each row's SM clock and power, read only
+    smi = clocks.sample(smi_file, every_ms=100)
     a_, b_, c_ = flop_terms(cfg)
     say(f"{cfg.name} {args.dtype} on {res.data['gpu']} ({jax.default_backend()}), jax "
         f"{jax.__version__}; prompts {args.prompts}, chunks {args.chunks}, systems "
@@ -1223,6 +1218,12 @@ def main():
         if args.second_start and not args.compile_only:
             second_start(args, res)
         res.data["wall_s"] = round(time.time() - t_start, 1)
+        if smi:  # nvidia-smi writes its file in blocks: read once it has ended
+            smi.terminate()
+            smi.wait()
+            samples = clocks.read_samples(smi_file)
+            for x in res.data["details"]:
+                x["clock"] = clocks.during(samples, [x["window"]]) if "window" in x else None
         res.write(plot=True)
         say(f"\nwrote {out}/results.json, README.md, mfu.png in {res.data['wall_s']:.0f} s")
         say(f"{cfg.name} {args.dtype} on {res.data['gpu']}; median ms of {args.iters}, "
@@ -1235,8 +1236,6 @@ def main():
             say(f"{len(res.data['skipped'])} skipped (README lists why)")
         if _OWN_CACHE:
             shutil.rmtree(os.environ["KERNJAX_XLA_CACHE"], ignore_errors=True)
-        if smi:
-            smi.terminate()
 
 
 if __name__ == "__main__":
