@@ -64,7 +64,8 @@
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=240 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain       (+ prefill of 8k: 438 s)
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
-# They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7` and at `6cb5e73`
+# They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
+# (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
 # prefill rows 438 s, `variant` 283-293 s); rerun them after any change to models/,
 # kernjax/ or csrc/ (for the attention kernel alone, `python experiments/same_kernel.py REV` says
