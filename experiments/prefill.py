@@ -31,7 +31,9 @@ Writes `results.json`, `README.md` (after every row) and `mfu.png` (after every 
 `--replot DIR` rewrites README.md and mfu.png from DIR/results.json), prints a progress line per row and the table at the end. A failing row prints one line
 and the run goes on. `--max_seconds` stops starting rows after that many seconds: each system
 gets a share of the time left in proportion to its rows and programs (`share_weight`), and a
-row predicted not to fit is skipped (said in the README).
+row predicted not to fit is skipped (said in the README). The timed prefills run back to back;
+`--idle S` lets the GPU idle S seconds before each (one prompt's time to first token on a quiet
+server: a GPU at its power limit runs a burst faster). Each row records the SM clock it ran at.
 
     python experiments/prefill.py --max_seconds 480                        # H200, qwen3-4b
     python experiments/prefill.py --model qwen3-tiny --prompts 64,128 --chunks 32,whole --iters 1
@@ -680,7 +682,8 @@ class Results:
                  "## Result", "",
                  f"{d['model']}, {d['dtype']}, random weights; median of {a.iters} timed "
                  "prefills of the whole prompt after one untimed warm-up (ms = time to first "
-                 "token). tok/s = S / time; MFU = FLOPs(S) / time / "
+                 "token)" + (f", each after {a.idle:g} s idle" if a.idle else ", back to back")
+                 + ". tok/s = S / time; MFU = FLOPs(S) / time / "
                  f"{a.peak / 1e12:.0f} TFLOP/s. SM MHz, W: the GPU's clock (median) and power "
                  "(mean) while the timed prefills ran (nvidia-smi every 100 ms, read only; its "
                  "power reading lags, so a short row reads low). The peak is at 1980 MHz; a "
@@ -922,10 +925,11 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
             left = min(clock.left(), share_end - time.time())
             iters = args.iters
             if math.isfinite(left):
-                iters = max(1, min(args.iters, int(left // max(first, 1e-9))))
+                iters = max(1, min(args.iters, int(left // max(first + args.idle, 1e-9))))
             times, spans = [], []
             for _ in range(iters):
                 sysobj.reset(h)
+                time.sleep(args.idle)
                 t, wall = time.perf_counter(), time.time()
                 token, logits = sysobj.prefill(h)
                 times.append(time.perf_counter() - t)
@@ -1045,6 +1049,10 @@ def parse_args(argv=None):
     ap.add_argument("--chunks", default="512,2048,whole", help="chunk sizes; `whole` = S")
     ap.add_argument("--systems", default="all", help=f"comma-separated of {','.join(SYSTEMS)}")
     ap.add_argument("--iters", type=int, default=3, help="timed prefills per row (median)")
+    ap.add_argument("--idle", type=float, default=0.0,
+                    help="seconds the GPU idles before each timed prefill: one prompt's time to "
+                    "first token on a quiet server (a GPU at its power limit runs a burst "
+                    "faster than back to back; experiments/results/2026-12-01-h200-clocks/)")
     ap.add_argument("--out", default=None,
                     help="default <UTC date>-h200-prefill/ in $OUT when set (the device "
                     "machine's), else in experiments/results/")

@@ -28,7 +28,8 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     r = subprocess.run(
         [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
-         "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--profile", "64",
+         "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--idle", "0.01",
+         "--profile", "64",
          "--second_start", "64", "--systems",
          "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain", "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
@@ -51,6 +52,7 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     second = {(c["system"], c["rows"]) for c in data["compile_second"]}
     assert second == {(s, r) for s in ("kernjax", "kernjax-2stages") for r in (32, 64)}, second
     assert "Second start" in (out / "README.md").read_text()
+    assert "each after 0.01 s idle" in (out / "README.md").read_text()
 
     prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
     calls = {c["call"]: c for c in prof["calls"]}
