@@ -74,6 +74,7 @@ def run(main_def) -> None:
 # raised inside a callback (a JAX GC hook during a cut, say) is printed as ignored and lost.
 STOP_GRACE = 5.0
 _EXITING = threading.Lock()
+_ON_STOP: list = []  # what a stop that ends the process this way still undoes (a half cut)
 
 
 def _stop(signum, _frame):
@@ -85,6 +86,8 @@ def _stop(signum, _frame):
 def _exit_now(name: str, after: float = 0.0) -> None:
     time.sleep(after)
     _EXITING.acquire()  # one line: the unwinding and the grace thread may both get here
+    for undo in list(_ON_STOP):
+        undo()
     print("terminated" if name == "SIGTERM" else "interrupted", file=sys.stderr, flush=True)
     try:
         sys.stdout.flush()
@@ -326,6 +329,13 @@ def write_cut(out: Path, stages, old: list[str], meta: dict) -> None:
         for name in old:
             shutil.rmtree(out / name)
     written = []
+
+    def undo():
+        for name in written:
+            shutil.rmtree(out / name, ignore_errors=True)
+        _say(f"removed what this cut had written to {out}")
+
+    _ON_STOP.append(undo)  # also where Ctrl-C's KeyboardInterrupt is lost (`_stop`)
     try:
         for st in stages:
             name = f"stage{st.index}" if st.stages > 1 else "whole"
@@ -333,10 +343,10 @@ def write_cut(out: Path, stages, old: list[str], meta: dict) -> None:
             written.append(name)
             artifacts.write(out / name, st, **meta)
     except BaseException:
-        for name in written:
-            shutil.rmtree(out / name, ignore_errors=True)
-        _say(f"removed what this cut had written to {out}")
+        undo()
         raise
+    finally:
+        _ON_STOP.remove(undo)
 
 
 def previous_cut(out: Path) -> list[str]:

@@ -259,6 +259,41 @@ def test_ctrl_c_ends_the_command_even_when_its_interrupt_is_swallowed(tmp_path):
     assert time.time() - t0 < 20
 
 
+SWALLOWED_IN_CUT = """
+import sys, time
+from kernjax import cli, stage
+real = stage.write
+def write(path, st, **kw):
+    real(path, st, **kw)
+    if st.index == 1:  # stage1/ written, whole/ not yet: a KeyboardInterrupt here is lost
+        print("ready", flush=True)
+        while True:
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                pass
+stage.write = write
+sys.argv = ["kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", "x", "--chunk", "16",
+            "--context", "64"]
+cli.run(cli.cut_main)
+"""
+
+
+def test_a_cut_whose_interrupt_is_swallowed_still_removes_what_it_wrote(tmp_path):
+    p = subprocess.Popen([sys.executable, "-c", SWALLOWED_IN_CUT], cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while (line := p.stdout.readline()) != "ready\n":
+        assert line, p.communicate()
+    assert sorted(os.listdir(tmp_path / "x")) == ["stage0", "stage1"]
+    p.send_signal(2)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and err.endswith("removed what this cut had written to x\n"
+                                                "interrupted\n"), (p.returncode, out, err)
+    assert os.listdir(tmp_path / "x") == []
+    assert _cli("kernjax.cut", "--model", MODEL, "--at", "2", "--out", "x", *SMALL,
+                cwd=tmp_path).returncode == 0
+
+
 def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tmp_path,
                                                                             monkeypatch, capsys):
     """A stage whose export fails (as k3's did once on a GPU) or Ctrl-C: what the cut wrote
