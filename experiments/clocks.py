@@ -1,7 +1,8 @@
 """What the GPU's clock does under each kind of load: the ceiling MFU is counted against.
 
-MFU counts against 989 TFLOP/s, the H200's dense bf16 peak at its top SM clock (1980 MHz). A GPU
-held at its power limit lowers its clock, and its peak with it. This samples `nvidia-smi` (SM
+MFU counts against 989 TFLOP/s, the H200's dense bf16 peak: 132 SMs x 4096 FLOP per clock at
+1830 MHz, the clock NVIDIA rates tensor throughput at (the top SM clock is 1980 MHz). A GPU held
+at its power limit lowers its clock, and its peak with it. This samples `nvidia-smi` (SM
 clock, power, temperature, the active clock-event reasons) every 20 ms while it runs, back to
 back, for `--seconds` each:
 
@@ -18,7 +19,7 @@ back, for `--seconds` each:
 and prints per phase: TFLOP/s (median of the timed reps of 10 calls back to back, one
 prefill), SM clock (median, 10th percentile),
 power (mean), the clock-event reasons seen, and the peak at the median clock (989 TFLOP/s x
-clock / 1980 MHz). It only reads the clocks; it sets nothing.
+clock / 1830 MHz). It only reads the clocks; it sets nothing.
 
     python experiments/clocks.py --seconds 8 --out clocks.json
     python experiments/clocks.py --model qwen3-tiny --prompt 256 --size 256 --phases matmul-random,prefill --seconds 1  # CPU
@@ -43,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PEAK, TOP_MHZ = 989e12, 1980.0
+PEAK, RATED_MHZ = 989e12, 1830.0  # 132 SMs x 4096 dense bf16 FLOP per clock x 1830 MHz
 # nvidia-smi's clock-event reason bits, the ones alone (several at once print as the hex mask)
 REASONS = {0: "none", 1: "idle", 2: "app-clocks", 4: "sw-power-cap", 8: "hw-slowdown",
            0x20: "sw-thermal", 0x40: "hw-thermal", 0x80: "hw-power-brake"}
@@ -204,7 +205,7 @@ def main():
             continue
         mhz = sorted(x[1] for x in s)
         med, p10 = statistics.median(mhz), mhz[len(mhz) // 10]
-        peak = PEAK * med / TOP_MHZ
+        peak = PEAK * med / RATED_MHZ
         reasons = sorted({REASONS.get(int(x[4], 16), x[4]) if x[4].startswith("0x") else x[4]
                           for x in s})
         p.update(samples=len(s), mhz_median=med, mhz_p10=p10,

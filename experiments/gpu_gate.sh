@@ -46,8 +46,10 @@
 #              other GPU's memory through CUDA IPC, each seeing one GPU against both seeing both
 #   calls      experiments/calls.py: qwen3-4b call by call, 512 and 2048 rows at the end of 8192 tokens
 #   clocks     experiments/clocks.py: the SM clock, power and clock-event reasons (nvidia-smi, read
-#              only) under 8192^3 GEMMs of random and of zero operands, the 8k prefill in one
-#              chunk and the attention kernel alone: the peak MFU's 989 TFLOP/s assumes 1980 MHz
+#              only) under 8192^3 GEMMs of random and of zero operands, qwen3-4b's gate GEMM, the
+#              8k prefill in one chunk back to back and after 3 s idle, and the attention kernel
+#              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
+#              peak at 1830 MHz, and a GPU at its power limit runs lower
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
 #              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/

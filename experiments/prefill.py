@@ -686,8 +686,8 @@ class Results:
                  + ". tok/s = S / time; MFU = FLOPs(S) / time / "
                  f"{a.peak / 1e12:.0f} TFLOP/s. SM MHz, W: the GPU's clock (median) and power "
                  "(mean) while the timed prefills ran (nvidia-smi every 100 ms, read only; its "
-                 "power reading lags, so a short row reads low). The peak is at 1980 MHz; a "
-                 "GPU at its power limit runs lower "
+                 "power reading lags, so a short row reads low). The peak is rated at 1830 MHz; "
+                 "a GPU at its power limit runs lower "
                  "(`experiments/results/2026-12-01-h200-clocks/`).", "", self.table(), ""]
         if d["skipped"]:
             lines += ["Rows not measured:", ""]
