@@ -314,6 +314,8 @@ def _check_checkpoint(fam, cfg, program, ckpt: Path) -> None:
         weights.load(ckpt, want + [src for r in recipes for src in r.sources],
                      fallbacks=fam.FALLBACKS, shapes_only=True)
     except weights.WeightError as e:
+        if not re.search(r"` has shape |` is missing from ", str(e)):  # the files are at fault
+            raise
         raise weights.WeightError(f"{e}\nThe program follows `{ckpt / 'config.json'}`: it and "
                                   "the checkpoint's tensors disagree; mend one of them") from None
 

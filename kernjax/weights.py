@@ -41,6 +41,13 @@ class WeightError(ValueError):
     """A checkpoint that cannot supply what a program binds; says which tensor and what to do."""
 
 
+# The safetensors dtypes a tensor the model reads as float may be stored in (cast at load), and
+# the one an integer tensor (MXFP4's packed values and scales) must be stored in.
+FLOATS = {"F16", "BF16", "F32", "F64"}
+_FLOAT_NAMES = {"float16", "bfloat16", "float32", "float64"}
+_CODES = {"uint8": "U8", "int8": "I8", "int32": "I32", "int64": "I64", "uint32": "U32"}
+
+
 def np_dtype(name: str) -> np.dtype:
     return np.dtype(ml_dtypes.bfloat16) if name == "bfloat16" else np.dtype(name)
 
@@ -109,7 +116,19 @@ def _files(ckpt: Path) -> dict[str, Path]:
     _need_dir(ckpt)
     index = ckpt / "model.safetensors.index.json"
     if index.is_file():
-        wm = json.loads(index.read_text())["weight_map"]
+        try:
+            wm = json.loads(index.read_text())["weight_map"]
+            if not (isinstance(wm, dict) and all(isinstance(v, str) and v == Path(v).name != ""
+                                                 for v in wm.values())):
+                raise ValueError("weight_map is not a map of tensor names to file names in "
+                                 "the checkpoint directory")
+        except (ValueError, KeyError, TypeError) as e:  # JSON and UTF-8 errors are ValueErrors
+            raise WeightError(f"`{index}` is malformed ({type(e).__name__}: {e}); write or "
+                              "download it again") from None
+        bad = sorted({v for v in wm.values() if not (ckpt / v).is_file()})  # a FIFO would hang
+        if bad:
+            raise WeightError(f"`{index}` names {', '.join(bad)}, which `{ckpt}` does not hold "
+                              "as files; download the missing shards")
         return {k: ckpt / v for k, v in wm.items()}
     single = ckpt / "model.safetensors"
     if not single.is_file():
@@ -162,11 +181,17 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
             if got != shape:
                 errs.append(f"tensor `{src}` has shape {list(got)}; the model expects {list(shape)}")
                 continue
+            stored = handles[f].get_slice(src).get_dtype()
+            if stored not in (FLOATS if dtype in _FLOAT_NAMES else {_CODES.get(dtype)}):
+                errs.append(f"tensor `{src}` is stored as {stored}; the model reads it as {dtype}"
+                            + (f" (from {', '.join(sorted(FLOATS))})" if dtype in _FLOAT_NAMES
+                               else ""))
+                continue
             if shapes_only:
                 continue
             try:
                 x = handles[f].get_tensor(src)
-            except SafetensorError as e:  # a header that promises bytes the file lacks
+            except Exception as e:  # noqa: BLE001 (a header promising bytes the file lacks, say)
                 errs.append(f"tensor `{src}` cannot be read from `{f.name}`: {e}")
                 continue
             out[name] = x if x.dtype == np_dtype(dtype) else x.astype(np_dtype(dtype))

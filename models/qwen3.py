@@ -33,8 +33,9 @@ from kernjax.trace import Program, Slot, call, trace
 from .attention import chunk_attention, exact
 
 PAGE = 16
-# Tensors a checkpoint may omit, and what is read instead: a tied output head is the embedding.
-FALLBACKS = {"lm_head.weight": "model.embed_tokens.weight"}
+# Tensors a checkpoint may omit, and what is read instead: none. A tied head is the embedding
+# (`tie_word_embeddings`: the program reads no lm_head.weight); an untied one must be there.
+FALLBACKS: dict[str, str] = {}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,9 +18,11 @@ def test_size_budget():
     # ipc and nccl transports (issue 8: edge.py, the ops' wrappers) ~500. +120 on 2026-12-01 for
     # what three fuzzing passes found: client text in logs, bodies and requests HTTP cannot
     # read, a stage that left before the pipeline started, damaged checkpoints and manifests.
-    # +50 on 2026-12-01 (fourteenth session): Ctrl-C that a callback swallowed, a checkpoint
-    # whose config.json contradicts its tensors refused at the cut.
-    assert _lines("kernjax/**/*.py") < 5400
+    # +100 on 2026-12-01 (fourteenth session): Ctrl-C that a callback swallowed (and the half cut
+    # it left), a checkpoint whose config.json contradicts its tensors refused at the cut, and
+    # what a fuzzing pass of checkpoints found: broken shard indexes, tensors in dtypes the
+    # model cannot read, a stage asked again when the head closes it unanswered.
+    assert _lines("kernjax/**/*.py") < 5450
     # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
     # edge ops hold/recv/push/post (~500, CPU and CUDA), NCCL loaded at run time and device
     # slots for CUDA IPC (~200).

@@ -46,8 +46,9 @@ def work(tmp_path_factory):
     shutil.copytree(t / "moved", t / "other")
     conf = json.loads((t / "other" / "config.json").read_text())
     (t / "other" / "config.json").write_text(json.dumps({**conf, "intermediate_size": 256}))
-    for name in ("badcfg", "trunc", "badtok"):  # damaged copies of the checkpoint
+    for name in ("badcfg", "trunc", "badtok", "untied"):  # damaged copies of the checkpoint
         shutil.copytree(t / "moved", t / name)
+    (t / "untied" / "config.json").write_text(json.dumps({**conf, "tie_word_embeddings": False}))
     (t / "badcfg" / "config.json").write_text(json.dumps({**conf, "hidden_size": "64"}))
     with open(t / "trunc" / "model.safetensors", "r+b") as f:
         f.truncate(3000)
@@ -140,6 +141,8 @@ REFUSALS = {
     "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
     # damaged inputs
+    "untied_without_head": (["kernjax.cut", "--weights", "untied", "--at", "2", "--out", "z"],
+                            "tensor `lm_head.weight` is missing from `"),
     "cut_config_contradicts": (["kernjax.cut", "--weights", "other", "--at", "2", "--out", "z"],
                                "tensor `model.layers.0.mlp.gate_proj.weight` has shape [128, 64]; "
                                "the model expects [256, 64]"),

@@ -249,3 +249,40 @@ def test_shell_unknown_model_is_exit_2_without_traceback(tmp_path):
     assert "unknown model `qwen3-nope`" in r.stderr and MODEL in r.stderr
     assert "Traceback" not in r.stderr + r.stdout
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("index, words", [
+    ("{not json", "is malformed (JSONDecodeError"),
+    (b"\xff\xfe", "is malformed (UnicodeDecodeError"),
+    ('{"metadata": {}}', "is malformed (KeyError: 'weight_map')"),
+    ("[]", "is malformed (TypeError"),
+    ('{"weight_map": ["a"]}', "weight_map is not a map of tensor names to file names"),
+    ('{"weight_map": {"model.norm.weight": null}}', "weight_map is not a map"),
+    ('{"weight_map": {"model.norm.weight": "../elsewhere/model.safetensors"}}',
+     "weight_map is not a map"),
+    ('{"weight_map": {"model.norm.weight": "gone.safetensors"}}',
+     "names gone.safetensors, which"),
+    ('{"weight_map": {"model.norm.weight": "fifo.safetensors"}}',
+     "names fifo.safetensors, which"),
+])
+def test_a_broken_index_is_one_error_naming_it(tmp_path, index, words):
+    """Found by a fuzzing pass: these were tracebacks, or (a FIFO shard) a hang no signal ended."""
+    (tmp_path / "model.safetensors.index.json").write_bytes(
+        index if isinstance(index, bytes) else index.encode())
+    os.mkfifo(tmp_path / "fifo.safetensors")
+    with pytest.raises(WeightError, match="model.safetensors.index.json") as e:
+        weights.load(tmp_path, [("model.norm.weight", SHAPES["model.norm.weight"], "float32")])
+    assert words in str(e.value), str(e.value)
+
+
+def test_a_tensor_stored_in_a_dtype_the_model_cannot_read_as_is_refused(f32, tmp_path):
+    t = _tensors(f32)
+    save_file({**t, "x.packed": np.zeros((4, 4), np.float32), "x.f16": np.zeros(4, np.float16)},
+              tmp_path / "model.safetensors")
+    with pytest.raises(WeightError, match=r"`x\.packed` is stored as F32; the model reads it as "
+                                          r"uint8"):
+        weights.load(tmp_path, [("x.packed", (4, 4), "uint8")], shapes_only=True)
+    with pytest.raises(WeightError, match=r"`x\.packed` is stored as F32"):
+        weights.load(tmp_path, [("x.packed", (4, 4), "uint8")])
+    got = weights.load(tmp_path, [("x.f16", (4,), "bfloat16")])  # a float is cast
+    assert got["x.f16"].dtype == ml_dtypes.bfloat16
