@@ -4,7 +4,7 @@ A checkpoint is a directory with `config.json` and `model.safetensors` (or shard
 `model.safetensors.index.json`). `load` reads only the tensors asked for, checks each one's shape
 and stored dtype, casts to the asked dtype and names every missing or mis-shaped tensor in one
 error. A model may name fallbacks: a tensor a checkpoint omits read from another (none does now:
-qwen3's tied head is the embedding in the program itself).
+a tied head is the embedding in the program itself).
 
 Random weights are written in the same format (`python -m kernjax.weights random`), so every
 random run goes through the real loader, with a small byte-level `tokenizer.json` so text prompts
