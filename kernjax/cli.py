@@ -306,12 +306,12 @@ def _check_checkpoint(fam, cfg, program, ckpt: Path) -> None:
     shape (the files' headers only): a config.json that contradicts its safetensors is refused
     at the cut, not when a stage loads."""
     from kernjax import weights
-    recipes = fam.derived(cfg) if hasattr(fam, "derived") else []
-    made = {n for r in recipes for n, _, _ in r.outputs}
-    want = [(s.name, s.shape, s.dtype) for s in program.inputs
-            if s.role == "weight" and s.name not in made]
+    from kernjax.runner import split_derived
+    plain, recipes = split_derived(fam.derived(cfg) if hasattr(fam, "derived") else [],
+                                   [(s.name, s.shape, s.dtype) for s in program.inputs
+                                    if s.role == "weight"])
     try:
-        weights.load(ckpt, want + [src for r in recipes for src in r.sources],
+        weights.load(ckpt, plain + [src for r in recipes for src in r.sources],
                      fallbacks=fam.FALLBACKS, shapes_only=True)
     except weights.WeightError as e:
         if not re.search(r"` has shape |` is missing from ", str(e)):  # the files are at fault

@@ -49,14 +49,22 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
     fallbacks = art.manifest["model"].get("fallbacks")
     if miss:
         ckpts.same_model(ckpt, art.manifest["model"]["config"])
-    recipes = [r for r in _recipes(art) if any(n in {w[0] for w in miss} for n, _, _ in r.outputs)]
-    made = {n for r in recipes for n, _, _ in r.outputs}
-    got = ckpts.load(ckpt, [w for w in miss if w[0] not in made], fallbacks=fallbacks) if miss else {}
+    plain, recipes = split_derived(_recipes(art), miss)
+    got = ckpts.load(ckpt, plain, fallbacks=fallbacks) if miss else {}
     if recipes:  # weights derived at load: only those this stage's calls read
         got.update(derive.run(recipes, lambda want: ckpts.load(ckpt, want, progress=False))[0])
     for name, _, dtype in miss:
         cache[(str(ckpt), name, dtype)] = got[name]
     return {name: cache[(str(ckpt), name, dtype)] for name, _, dtype in want}
+
+
+def split_derived(recipes, want) -> tuple[list, list]:
+    """`(the weights of want read from the checkpoint as they are, the recipes that derive the
+    rest)`; want holds `(name, shape, dtype)`."""
+    names = {w[0] for w in want}
+    used = [r for r in recipes if any(n in names for n, _, _ in r.outputs)]
+    made = {n for r in used for n, _, _ in r.outputs}
+    return [w for w in want if w[0] not in made], used
 
 
 def _recipes(art: artifacts.Artifact) -> list:

@@ -174,14 +174,14 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
             try:
                 if f not in handles:
                     handles[f] = safe_open(f, framework="numpy").__enter__()
-                got = tuple(handles[f].get_slice(src).get_shape())
+                header = handles[f].get_slice(src)
+                got, stored = tuple(header.get_shape()), header.get_dtype()
             except Exception as e:  # a missing shard, or an index naming the wrong file
                 errs.append(f"tensor `{src}` cannot be read from `{f.name}`: {e}")
                 continue
             if got != shape:
                 errs.append(f"tensor `{src}` has shape {list(got)}; the model expects {list(shape)}")
                 continue
-            stored = handles[f].get_slice(src).get_dtype()
             if stored not in (FLOATS if dtype in _FLOAT_NAMES else {_CODES.get(dtype)}):
                 errs.append(f"tensor `{src}` is stored as {stored}; the model reads it as {dtype}"
                             + (f" (from {', '.join(sorted(FLOATS))})" if dtype in _FLOAT_NAMES
