@@ -9,11 +9,22 @@ reference (rel. error < 1e-2, no NaN, run-to-run bitwise equal); then each timin
 over --reps of the mean of --inner back-to-back calls, rotating between --sets input sets (so
 the keys and values are not all in L2). `--rounds N` times every config N times, the order
 reversed every other round, and takes the median of the rounds: an A/B of a few per cent is
-noise until it holds both ways (`docs/lessons.md`). Prints a table; --out writes it as JSON.
+noise until it holds both ways (`docs/lessons.md`). With `nvidia-smi` present each row also
+gets the SM clock its timed calls ran at (median of samples every 20 ms): the H200 here is held
+at 700 W, so a row's rate follows its clock (`experiments/clocks.py`). Prints a table; --out
+writes it as JSON.
+
+Anchors (`--kernel torch-cudnn,torch-flash,jax-cudnn`): the same function on dense tensors (the
+keys gathered out of the pages first, one sequence), timed in the same rounds: torch's
+`scaled_dot_product_attention` with `causal_lower_right` through its cuDNN or FlashAttention-2
+backend, and `jax.nn.dot_product_attention(implementation="cudnn")`, whose `is_causal` is
+top-left aligned and so right only for the square case (its chunk cases are skipped). They
+read no page table; they say what a vendor kernel reaches on this GPU at the same moment.
 
     python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
     python experiments/attention.py --kernel hopper,hopper-mbarrier --rounds 4
+    python experiments/attention.py --kernel hopper,torch-cudnn --cases 8192:8192 --rounds 4
     python experiments/attention.py --kernel triton --interpret --small  # CPU smoke test
 """
 
@@ -21,14 +32,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
+import sys
+import tempfile
 import time
 import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 
 from kernjax.models import attention_hopper, attention_pallas
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import clocks  # noqa: E402  (experiments/clocks.py: nvidia-smi's samples)
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -49,12 +68,64 @@ CONFIGS = {
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
 }
-SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)]}
+ANCHORS = ("torch-cudnn", "torch-flash", "jax-cudnn")
+CONFIGS.update({a: [()] for a in ANCHORS})
+SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)],
+                 **{a: [()] for a in ANCHORS}}
 NAMES = {**{k: ("block_q", "block_kv", "steps") for k in CONFIGS if k.startswith("hopper")},
-         "triton": ("block_q", "block_k", "num_warps", "num_stages")}
+         "triton": ("block_q", "block_k", "num_warps", "num_stages"), **{a: () for a in ANCHORS}}
+
+
+def dense(k, kv, q, positions, cu, page_table):
+    """The set's k keys and values gathered out of their pages: (q [C, H, D], k, v [K, KV, D])."""
+    j = jnp.arange(k)
+    keys = kv[page_table[0, j // PAGE], j % PAGE]
+    return q, keys[:, 0], keys[:, 1]
+
+
+def anchor_fn(kernel, scale, c, k):
+    """(fn of a set, sync) for an anchor; None where it computes another function."""
+    if kernel == "jax-cudnn":
+        if c != k:
+            return None  # top-left aligned: right only for the square case
+
+        @jax.jit
+        def attend(*x):
+            q, kk, vv = dense(k, *x)
+            return jax.nn.dot_product_attention(q[None], kk[None], vv[None], scale=scale,
+                                                is_causal=True, implementation="cudnn")[0]
+        return attend, jax.block_until_ready
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    backend = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+               "torch-flash": SDPBackend.FLASH_ATTENTION}[kernel]
+    gather = jax.jit(lambda *x: tuple(jnp.swapaxes(a, 0, 1)[None] for a in dense(k, *x)))
+    cache = {}
+
+    def attend(*x):
+        key = id(x[0])  # the dense copies of each set, made once (not timed)
+        if key not in cache:
+            cache[key] = (x[0], [torch.from_dlpack(a) for a in gather(*x)])
+        qt, kt, vt = cache[key][1]
+        with sdpa_kernel(backend):
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qt, kt, vt, attn_mask=causal_lower_right(c, k), scale=scale, enable_gqa=True)
+        return o
+
+    def sync(o):
+        torch.cuda.synchronize()
+        return o
+
+    def result(*x):  # [C, H, D] as a jax array, for the check against the reference
+        return jnp.asarray(attend(*x)[0].transpose(0, 1).float().cpu().numpy())
+    attend.result = result
+    return attend, sync
 
 
 def kernel_fn(kernel, config, scale, interpret):
+    """The kernel as a jitted function of a set; anchors are made by `anchor_fn`."""
     kw = dict(zip(NAMES[kernel], config))
     if kernel.startswith("hopper"):
         if interpret:
@@ -126,6 +197,9 @@ def main():
     if a.cases:
         cases = [tuple(int(x) for x in p.split(":")) for p in a.cases.split(",")]
     kernels = a.kernel.split(",")
+    unknown = [kn for kn in kernels if kn not in NAMES]
+    if unknown:
+        ap.error(f"--kernel {','.join(unknown)}: not a kernel; known: {', '.join(NAMES)}")
     table = SMALL_CONFIGS if a.small else CONFIGS
     if a.config:
         config = tuple(int(x) for x in a.config.split(","))
@@ -137,8 +211,14 @@ def main():
         configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
+    if a.interpret and any(kn in ANCHORS for kn in kernels):
+        ap.error("--interpret: the anchors (torch-*, jax-cudnn) run on a GPU only")
+    if any(kn.startswith("torch") for kn in kernels):  # before JAX takes 75 % of the GPU
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
           f"KV={kv_heads} D={d} bf16, interpret={a.interpret}", flush=True)
+    smi_file = Path(tempfile.mkdtemp()) / "smi.csv"
+    smi = clocks.sample(smi_file)
 
     results = []
     for c, k in cases:
@@ -149,13 +229,23 @@ def main():
         ref = reference(*sets[0], scale)
         timed = []  # (row, fn) of each config that compiled and is right
         for kn, config in configs:
-            fn = kernel_fn(kn, config, scale, a.interpret)
-            name = f"{kn} {','.join(map(str, config))}"
+            sync = jax.block_until_ready
+            if kn in ANCHORS:
+                made = anchor_fn(kn, scale, c, k)
+                if made is None:
+                    print(f"C={c} K={k} {kn}: skipped (top-left causal: not the chunk's function)",
+                          flush=True)
+                    continue
+                fn, sync = made
+            else:
+                fn = kernel_fn(kn, config, scale, a.interpret)
+            name = f"{kn} {','.join(map(str, config))}".strip()
             row = dict(C=c, K=k, kernel=kn, **dict(zip(NAMES[kn], config)))
             results.append(row)
+            result = getattr(fn, "result", fn)
             try:
-                out = fn(*sets[0])
-                again = fn(*sets[0])
+                out = result(*sets[0])
+                again = result(*sets[0])
                 o32 = out.astype(jnp.float32)
                 err = float(jnp.linalg.norm(o32 - ref) / jnp.linalg.norm(ref))
                 nan = bool(jnp.isnan(o32).any())
@@ -171,20 +261,21 @@ def main():
                       f"rerun_same={same}", flush=True)
                 continue
             for x in sets:  # warm-up
-                fn(*x).block_until_ready()
-            timed.append((row, fn))
+                sync(fn(*x))
+            timed.append((row, fn, sync))
         # --rounds: every config timed once a round, the order reversed every other round (an
         # A/B under ~8 % changed sign with the order on the H200: docs/lessons.md)
         for rnd in range(a.rounds):
-            for row, fn in (timed if rnd % 2 == 0 else timed[::-1]):
-                times = []
+            for row, fn, sync in (timed if rnd % 2 == 0 else timed[::-1]):
+                times, wall = [], time.time()
                 for r in range(a.reps):
                     t = time.perf_counter()
                     outs = [fn(*sets[(r * a.inner + i) % a.sets]) for i in range(a.inner)]
-                    jax.block_until_ready(outs)
+                    sync(outs[-1])
                     times.append((time.perf_counter() - t) / a.inner)
                 row.setdefault("rounds_ms", []).append(statistics.median(times) * 1e3)
-        for row, _ in timed:
+                row.setdefault("spans", []).append((wall, time.time()))
+        for row, _, _ in timed:
             ms = statistics.median(row["rounds_ms"])
             row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
             each = "/".join(f"{flops / (x * 1e-3) / 1e12:.1f}" for x in row["rounds_ms"])
@@ -192,12 +283,22 @@ def main():
                   f"TFLOP/s  rel_err {row['rel_err']:.1e}"
                   + (f"  (rounds: {each})" if a.rounds > 1 else ""), flush=True)
 
-    print("\n|     C |      K | kernel, config     |       ms | TFLOP/s |")
-    print("|------:|-------:|:-------------------|---------:|--------:|")
+    samples = []
+    if smi is not None:  # read once nvidia-smi has ended: it writes its file in blocks
+        smi.terminate()
+        smi.wait()
+        samples = clocks.read_samples(smi_file)
+    shutil.rmtree(smi_file.parent, ignore_errors=True)
+    for r in results:
+        r["clock"] = clocks.during(samples, r.pop("spans", []))
+    print("\n|     C |      K | kernel, config     |       ms | TFLOP/s | SM MHz, W |")
+    print("|------:|-------:|:-------------------|---------:|--------:|----------:|")
     for r in results:
         name = f"{r['kernel']} " + ",".join(str(r[n]) for n in NAMES[r["kernel"]])
         t = f"{r['ms']:8.3f} | {r['tflops']:7.1f}" if "ms" in r else f"{'-':>8} | {'error':>7}"
-        print(f"| {r['C']:5d} | {r['K']:6d} | {name:18s} | {t} |")
+        ck = r.get("clock")
+        ck = f"{ck['sm_mhz']:.0f}, {ck['watts']:.0f}" if ck else "-"
+        print(f"| {r['C']:5d} | {r['K']:6d} | {name.strip():18s} | {t} | {ck:>9} |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump(dict(device=jax.devices()[0].device_kind, heads=heads, kv_heads=kv_heads,
