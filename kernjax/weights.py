@@ -17,6 +17,7 @@ A named model's random checkpoint is made once into a cache directory (`$KERNJAX
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -140,6 +141,22 @@ def _files(ckpt: Path) -> dict[str, Path]:
     except SafetensorError as e:
         raise WeightError(f"`{single}` is not a safetensors file this reader can read ({e}); "
                           "write or download it again") from None
+
+
+def fingerprint(ckpt: str | os.PathLike) -> str:
+    """A short id of a checkpoint's bytes, cheap however large (about a MiB read per file): each
+    safetensors file's name and size and 64 KiB at 17 offsets through it, its header included.
+    Checkpoints of one shape (a fine-tune, another seed) differ in it; the stages of a pipeline
+    must agree on it (the head refuses a stage that does not)."""
+    h = hashlib.blake2b(digest_size=8)
+    for path in sorted(set(_files(Path(ckpt)).values())):
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size};".encode())
+        with open(path, "rb") as f:
+            for i in range(17):
+                f.seek(size * i // 17)
+                h.update(f.read(1 << 16))
+    return h.hexdigest()
 
 
 def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str]], *,

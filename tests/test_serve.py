@@ -264,6 +264,27 @@ def test_stages_with_different_transports_are_refused(cuts, tmp_path):
             p.p.wait()
 
 
+def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path):
+    """Another seed of the same model: every shape agrees, every byte differs; a pipeline of the
+    two would answer with neither model's tokens, so the head refuses the stage, naming both."""
+    other = tmp_path / "other"
+    p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model", "qwen3-tiny",
+                        "--seed", "1", "--out", str(other)], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr
+    port, pp = _port(), _port()
+    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--startup_timeout", "20")
+    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights", str(other))
+    try:
+        head.wait_for("their bytes differ", 60)
+        text = head.text() + stage.text()
+        assert f"stage 1 runs the weights of `{other}`" in text, text
+        assert "start every stage with the same --weights" in stage.text(), text
+    finally:
+        for p in (head, stage):
+            p.p.kill()
+            p.p.wait()
+
+
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU transports need GPUs")
 @pytest.mark.parametrize("kind", ["shm", "ipc", "nccl"])
 def test_gpu_transports_give_the_single_process_servers_tokens(cuts, servers, tmp_path, kind):

@@ -190,15 +190,19 @@ class FakeStage:
 
     def __init__(self, cut, pp: int):
         from kernjax import stage as artifacts
+        from kernjax.runner import checkpoint_dir
         from kernjax.serve.stage import _slots
+        from kernjax.weights import fingerprint
         art = artifacts.read(cut / "stage1")
+        ckpt = checkpoint_dir(art.manifest["checkpoint"])
         self.server = socket.create_server(("127.0.0.1", 0))
         self.conn = connect(f"127.0.0.1:{pp}", "the head", 60)
         self.conn.send("HELLO", {
             "stage": 1, "stages": 2, "cut": art.cut_id, "pages": art.item.pages,
             "listen": self.server.getsockname()[1], "arrivals": _slots(art.arrivals),
             "departures": _slots(art.departures),
-            "fills": [x.name for x in art.inputs if x.role in ("fill", "table")]})
+            "fills": [x.name for x in art.inputs if x.role in ("fill", "table")],
+            "checkpoint": {"dir": str(ckpt), "id": fingerprint(ckpt)}})
         self.table, _ = self.conn.expect("TABLE")
         self.server.settimeout(30)
         sock, _ = self.server.accept()

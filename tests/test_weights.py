@@ -62,6 +62,18 @@ def test_write_random_is_deterministic(f32, tmp_path):
     assert all(not np.array_equal(a[k], b[k]) for k in a), "seed 1 repeats a seed-0 tensor"
 
 
+def test_fingerprint_tells_checkpoints_of_one_shape_apart(f32, bf16, tmp_path):
+    """The id the stages of a pipeline compare: the same bytes anywhere give the same id; another
+    seed (every shape the same) or another dtype gives another; a shard index splits nothing."""
+    again = weights.write_random(MODEL, seed=0, dtype="float32", out=tmp_path / "again",
+                                 progress=False)
+    seed1 = weights.write_random(MODEL, seed=1, dtype="float32", out=tmp_path / "seed1",
+                                 progress=False)
+    ids = [weights.fingerprint(c) for c in (f32, again, seed1, bf16)]
+    assert ids[0] == ids[1] and len(set(ids)) == 3, ids
+    assert len(ids[0]) == 16 and int(ids[0], 16) >= 0
+
+
 def test_tensor_bytes_do_not_depend_on_other_tensors(f32, tmp_path, monkeypatch):
     full = _tensors(f32)
     # The same model with a different subset of tensors, in reverse order.

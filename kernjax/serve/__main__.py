@@ -237,6 +237,8 @@ def serve_main():
             ckpt = checkpoint_dir(ref)
             runner = Runner(art, load_weights(art, ckpt))
         art = runner.art
+        from kernjax.weights import fingerprint
+        checkpoint = {"dir": str(ckpt), "id": fingerprint(ckpt)}  # the stages must agree on it
         if art.index > 0:
             if not FLAGS.pp_head:
                 raise ValueError(f"`{art.path}` is stage {art.index} of {art.stages}; give "
@@ -245,7 +247,7 @@ def serve_main():
             serve_stage(runner, head=FLAGS.pp_head, host=FLAGS.host,
                         startup_timeout=FLAGS.startup_timeout, max_frame=FLAGS.max_frame,
                         transport=FLAGS.transport, edge_slots=FLAGS.edge_slots,
-                        edge_timeout=FLAGS.stage_timeout)
+                        edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint)
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
         http = _bind_http(FLAGS.host, FLAGS.port)  # before compiling: a taken port fails at once
@@ -256,7 +258,7 @@ def serve_main():
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
                     stage_timeout=FLAGS.stage_timeout, startup_timeout=FLAGS.startup_timeout,
                     max_frame=FLAGS.max_frame, metrics=metrics, transport=FLAGS.transport,
-                    edge_timeout=FLAGS.stage_timeout)
+                    edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=cli.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,

@@ -1,10 +1,10 @@
 """The head: stage 0, the only page pool, admission, packing, and the pipeline's bookkeeping.
 
 Startup (kern-serve PP3): the head loads stage 0 and listens on `--pp_listen`; every other stage
-connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills}. The head
-reads every connection's Hello in a thread of its own (`protocol.handshakes`) and refuses, with one
-log line, a Hello with another cut id, a stage number out of range or taken twice, or a signature
-that does not chain, and anything that is not a Hello in time; once all stages are in (`join`,
+connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills, checkpoint}.
+The head reads every connection's Hello in a thread of its own (`protocol.handshakes`) and refuses,
+with one log line, a Hello with another cut id or other weights, a stage number out of range or
+taken twice, or a signature that does not chain, and anything that is not a Hello in time; once all stages are in (`join`,
 while `waiting()` says which are missing and requests get a 503) it sizes its pool to the fewest
 pages any stage holds, answers each with a Table {pages, next} and connects to stage 1.
 
@@ -89,8 +89,10 @@ class Head:
     def __init__(self, runner: Runner, *, listen: str | None = None, max_seqs: int = 256,
                  stage_timeout: float = 60.0, startup_timeout: float = 600.0,
                  max_frame: int = MAX_FRAME, metrics=None, on_exit=None,
-                 transport: str = "host", edge_timeout: float = 60.0):
+                 transport: str = "host", edge_timeout: float = 60.0,
+                 checkpoint: dict | None = None):
         self.runner, self.art = runner, runner.art
+        self.checkpoint = checkpoint  # {dir, id}: each stage's Hello must name the same id
         self.transport, self.edge, self.edge_timeout = transport, None, edge_timeout
         self.shape = self.art.item
         self.stages = self.art.stages
@@ -238,6 +240,13 @@ class Head:
         if hello.get("transport", "host") != self.transport:
             return (f"stage {s} uses the {hello.get('transport', 'host')} transport; the head "
                     f"uses {self.transport}: start every stage with the same --transport")
+        theirs, mine = hello.get("checkpoint"), self.checkpoint
+        theirs = theirs if isinstance(theirs, dict) else {}
+        if mine and theirs.get("id") != mine["id"]:
+            return (f"stage {s} runs the weights of `{theirs.get('dir')}`, the head those of "
+                    f"`{mine['dir']}`, and their bytes differ (ids {theirs.get('id')}, "
+                    f"{mine['id']}): two checkpoints in one pipeline compute neither's function; "
+                    "start every stage with the same --weights")
         want = [[x.name, x.dtype, list(x.shape)] for x in self.art.departures] if s == 1 else None
         if want is not None and hello.get("arrivals") != want:
             return f"stage 1 takes arrivals {hello.get('arrivals')}; stage 0 sends {want}"

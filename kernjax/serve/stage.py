@@ -49,8 +49,10 @@ def _slots(xs):
 
 def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                 startup_timeout: float = 600.0, max_frame: int = MAX_FRAME,
-                transport: str = "host", edge_slots: int = 2, edge_timeout: float = 60.0) -> None:
+                transport: str = "host", edge_slots: int = 2, edge_timeout: float = 60.0,
+                checkpoint: dict | None = None) -> None:
     """Runs stage `runner` of a pipeline whose head listens at `head`; returns never.
+    `checkpoint`: {dir, id (`weights.fingerprint`)} of its weights, for the head to compare.
     `transport`: how the arrivals come in (kernjax/serve/transport.py); the departures go the
     way the next stage's Hello says."""
     art = runner.art
@@ -91,7 +93,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                                      "pages": art.item.pages, "listen": server.getsockname()[1],
                                      "arrivals": _slots(art.arrivals),
                                      "departures": _slots(art.departures), "fills": fills,
-                                     "memory": runner.memory(), **via})
+                                     "memory": runner.memory(), "checkpoint": checkpoint,
+                                     **via})
                 table, _ = hconn.expect("TABLE")
                 break
             except ConnectionError as e:
