@@ -409,3 +409,20 @@ def test_attention_rounds_time_every_config_in_each_round_both_ways(tmp_path):
     assert len(rows) == 2 and all(len(x["rounds_ms"]) == 3 for x in rows), rows
     assert all(x["ms"] == sorted(x["rounds_ms"])[1] and x["rel_err"] < 1e-2 for x in rows), rows
     assert r.stdout.count("(rounds: ") == 2, r.stdout
+
+
+def test_attention_anchors_run_only_where_they_compute_the_same_function():
+    """The vendor anchors: JAX's cuDNN (top-left causal) is skipped on a chunk, not timed as if
+    it were the chunk's function; an unknown kernel or an anchor under --interpret is refused
+    with what to use."""
+    def run(*args):
+        return subprocess.run([sys.executable, str(REPO / "experiments" / "attention.py"), *args],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    r = run("--kernel", "jax-cudnn", "--small", "--cases", "16:32")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "jax-cudnn: skipped (top-left causal: not the chunk's function)" in r.stdout, r.stdout
+    r = run("--kernel", "hopper,cudnn", "--small")
+    assert r.returncode == 2 and "--kernel cudnn: not a kernel; known: hopper" in r.stderr, r.stderr
+    r = run("--kernel", "torch-cudnn", "--small", "--interpret")
+    assert r.returncode == 2 and "run on a GPU only" in r.stderr, r.stderr
