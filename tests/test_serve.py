@@ -278,9 +278,34 @@ def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path
         head.wait_for("their bytes differ", 60)
         text = head.text() + stage.text()
         assert f"stage 1 runs the weights of `{other}`" in text, text
-        assert "start every stage with the same --weights" in stage.text(), text
+        assert "start every stage with --weights " in stage.text(), text
     finally:
         for p in (head, stage):
+            p.p.kill()
+            p.p.wait()
+
+
+def test_a_checkpoint_changed_after_the_head_loaded_it_is_refused(cuts, tmp_path):
+    """Head and stage name one directory, but its tensors changed in between: restart them all."""
+    def random(seed, out):
+        p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model",
+                            "qwen3-tiny", "--seed", str(seed), "--out", str(out)],
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+    random(0, tmp_path / "mine")
+    random(1, tmp_path / "seed1")
+    port, pp = _port(), _port()
+    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--startup_timeout", "20",
+                 "--weights", str(tmp_path / "mine"))
+    try:
+        head.wait_for("waiting for stages", 60)
+        (tmp_path / "seed1" / "model.safetensors").replace(tmp_path / "mine" / "model.safetensors")
+        stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights",
+                        str(tmp_path / "mine"))
+        stage.wait_for("changed since the head loaded it", 60)
+        assert "restart the head and every stage" in stage.text(), stage.text()
+    finally:
+        for p in [head] + ([stage] if "stage" in locals() else []):
             p.p.kill()
             p.p.wait()
 

@@ -188,7 +188,7 @@ def _one_line(text: str, line: str) -> bool:
 class FakeStage:
     """The last stage of a 2-stage cut as a test drives it: joins the head, takes the head's link."""
 
-    def __init__(self, cut, pp: int):
+    def __init__(self, cut, pp: int, named: bool = True):
         from kernjax import stage as artifacts
         from kernjax.runner import checkpoint_dir
         from kernjax.serve.stage import _slots
@@ -202,7 +202,7 @@ class FakeStage:
             "listen": self.server.getsockname()[1], "arrivals": _slots(art.arrivals),
             "departures": _slots(art.departures),
             "fills": [x.name for x in art.inputs if x.role in ("fill", "table")],
-            "checkpoint": {"dir": str(ckpt), "id": fingerprint(ckpt)}})
+            "checkpoint": {"dir": str(ckpt), "id": fingerprint(ckpt)} if named else None})
         self.table, _ = self.conn.expect("TABLE")
         self.server.settimeout(30)
         sock, _ = self.server.accept()
@@ -217,6 +217,20 @@ class FakeStage:
                 self.conn.send("PONG")
             elif kind == "ITEM":
                 return header
+
+
+def test_a_stage_that_names_no_checkpoint_is_refused(cut, tmp_path):
+    """A stage of an older kernjax (no checkpoint in its Hello) cannot be compared: refused."""
+    pp = _port()
+    head = _head(cut / "stage0", pp, _port(), tmp_path / "head.log", "--startup_timeout", "20")
+    try:
+        head.wait_for("waiting for stages")
+        with pytest.raises(ProtocolError, match="stage 1 named no checkpoint in its Hello: run "
+                           "one kernjax on every stage"):
+            FakeStage(cut, pp, named=False)
+    finally:
+        head.p.kill()
+        head.p.wait()
 
 
 @pytest.mark.parametrize("bad, words", ids=["no item", "a non-object header"], argvalues=[

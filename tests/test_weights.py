@@ -63,14 +63,25 @@ def test_write_random_is_deterministic(f32, tmp_path):
 
 
 def test_fingerprint_tells_checkpoints_of_one_shape_apart(f32, bf16, tmp_path):
-    """The id the stages of a pipeline compare: the same bytes anywhere give the same id; another
-    seed (every shape the same) or another dtype gives another; a shard index splits nothing."""
-    again = weights.write_random(MODEL, seed=0, dtype="float32", out=tmp_path / "again",
-                                 progress=False)
+    """The id the stages of a pipeline compare: the same tensors give the same id however the
+    files split them; another seed, another dtype or one small tensor retrained give another."""
     seed1 = weights.write_random(MODEL, seed=1, dtype="float32", out=tmp_path / "seed1",
                                  progress=False)
-    ids = [weights.fingerprint(c) for c in (f32, again, seed1, bf16)]
-    assert ids[0] == ids[1] and len(set(ids)) == 3, ids
+    t = _tensors(f32)
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    names = sorted(t)
+    halves = {"a.safetensors": names[::2], "b.safetensors": names[1::2]}
+    for f, ns in halves.items():
+        save_file({n: t[n] for n in ns[::-1]}, sharded / f)
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {n: f for f, ns in halves.items() for n in ns}}))
+    norm = tmp_path / "norm"
+    norm.mkdir()
+    save_file({**t, "model.norm.weight": t["model.norm.weight"] + 1e-3},
+              norm / "model.safetensors")
+    ids = [weights.fingerprint(c) for c in (f32, sharded, seed1, bf16, norm)]
+    assert ids[0] == ids[1] and len(set(ids)) == 4, ids
     assert len(ids[0]) == 16 and int(ids[0], 16) >= 0
 
 

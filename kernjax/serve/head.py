@@ -241,12 +241,16 @@ class Head:
             return (f"stage {s} uses the {hello.get('transport', 'host')} transport; the head "
                     f"uses {self.transport}: start every stage with the same --transport")
         theirs, mine = hello.get("checkpoint"), self.checkpoint
-        theirs = theirs if isinstance(theirs, dict) else {}
+        if mine and not (isinstance(theirs, dict) and isinstance(theirs.get("dir"), str)):
+            return f"stage {s} named no checkpoint in its Hello: run one kernjax on every stage"
         if mine and theirs.get("id") != mine["id"]:
-            return (f"stage {s} runs the weights of `{theirs.get('dir')}`, the head those of "
-                    f"`{mine['dir']}`, and their bytes differ (ids {theirs.get('id')}, "
-                    f"{mine['id']}): two checkpoints in one pipeline compute neither's function; "
-                    "start every stage with the same --weights")
+            if theirs["dir"] == mine["dir"]:
+                return (f"stage {s} read other tensors from `{mine['dir']}` than the head did: "
+                        "it changed since the head loaded it; restart the head and every stage")
+            return (f"stage {s} runs the weights of `{theirs['dir'][:200]}`, the head those of "
+                    f"`{mine['dir']}`, and their tensors differ (ids {str(theirs.get('id'))[:20]}"
+                    f", {mine['id']}): two checkpoints in one pipeline compute neither's "
+                    f"function; start every stage with --weights {mine['dir']}")
         want = [[x.name, x.dtype, list(x.shape)] for x in self.art.departures] if s == 1 else None
         if want is not None and hello.get("arrivals") != want:
             return f"stage 1 takes arrivals {hello.get('arrivals')}; stage 0 sends {want}"
