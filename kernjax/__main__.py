@@ -42,7 +42,8 @@ def main_def():
 
 The main job: cuts the model into 2 and 3 stages and runs the chain gate on each (whole program
 and stages bitwise identical on seven prompts), showing every command it runs."""
-    flags.DEFINE_string("model", None, "the named model to cut (default: kernjax.models.DEFAULT)")
+    from kernjax import models
+    flags.DEFINE_string("model", models.DEFAULT, "the named model to cut")
     flags.DEFINE_integer("chunk", 64, "rows per chunk")
     flags.DEFINE_string("out", None, "keep the stage artifacts here (default: a temporary "
                         "directory)")

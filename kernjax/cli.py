@@ -8,6 +8,7 @@ status 130. `--help` lists the flags the command defines.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import json
@@ -36,7 +37,9 @@ def run(main_def) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # also where a shell started us with SIGINT ignored
         signal.signal(sig, _stop)
     try:
-        before = {id(FLAGS[n]) for n in FLAGS}  # objects: a command may override absl's own flag
+        # the objects, held: a command may override absl's own flag, and the freed object's id
+        # could come back as a new flag's (serve's --log_file went missing from --help so)
+        before = {id(f): f for f in (FLAGS[n] for n in FLAGS)}
         main = main_def()
         args = sys.argv[1:]
         if HELP & set(args[:args.index("--")] if "--" in args else args):
@@ -112,8 +115,9 @@ def _parse(argv: list[str]) -> list[str]:
     try:
         return FLAGS(argv)
     except flags.Error as e:
-        _fail(re.sub(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
-                     r"--\1 is required", str(e)).replace("\n", "; ") + " (see --help)")
+        msg = re.sub(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
+                     r"--\1 is required", str(e))
+        _fail(re.sub(r"^ERROR::\s*", "", msg).replace("\n", "; ") + " (see --help)")
 
 
 def _fail(msg: str) -> None:
@@ -330,11 +334,14 @@ def write_cut(out: Path, stages, old: list[str], meta: dict) -> None:
         _say(f"removing the previous cut from {out}: {', '.join(old)}")
         for name in old:
             shutil.rmtree(out / name)
-    written = []
+    written, made = [], not out.exists()
 
     def undo():
         for name in written:
             shutil.rmtree(out / name, ignore_errors=True)
+        if made:  # a new --out goes too, if empty: it would only be in the way
+            with contextlib.suppress(OSError):
+                out.rmdir()
         _say(f"removed what this cut had written to {out}")
 
     _ON_STOP.append(undo)  # also where Ctrl-C's KeyboardInterrupt is lost (`_stop`)

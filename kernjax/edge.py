@@ -31,7 +31,8 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from multiprocessing import shared_memory
+import sys
+from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 
 import jax
@@ -43,6 +44,12 @@ TRANSPORTS = ("host", "shm", "ipc", "nccl")
 
 from kernjax import ffi
 from kernjax.trace import Slot
+
+# A segment's creator leaves it to Python's resource tracker (a child process, started with these
+# options) to remove if it ends first (Ctrl-C, a kill), without the tracker's warning of the
+# "leak" it mends. Attachers untrack theirs (Python 3.12 tracks them too: a second removal).
+if "ignore::UserWarning:multiprocessing.resource_tracker" not in sys.warnoptions:
+    sys.warnoptions.append("ignore::UserWarning:multiprocessing.resource_tracker")
 
 ARRIVED, TAKEN = 0, 1
 HEADER = 128  # arrived at byte 0, taken at byte 64: one cache line each
@@ -87,6 +94,8 @@ class SharedEdge:
         self.layout = layout
         size = HEADER if device else layout.nbytes
         self.shm = shared_memory.SharedMemory(name=name, create=create, size=size)
+        if not create:
+            resource_tracker.unregister(self.shm._name, "shared_memory")
         if self.shm.size < size:
             raise ValueError(f"shared memory `{name}` holds {self.shm.size} bytes; the edge "
                              f"needs {size}")

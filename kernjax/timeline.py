@@ -240,7 +240,8 @@ def timeline_main():
     """`python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K] [--width N]`."""
     from absl import flags
     flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
-    flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn")
+    flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn (item 0 has "
+                         "no previous item, so no period)")
     flags.DEFINE_integer("last", None, "the last item counted and drawn (default: the last on "
                          "every stage; the gantt draws 20 from --first)")
     flags.DEFINE_integer("width", 120, "columns of the text gantt")

@@ -264,14 +264,15 @@ def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
             if size >= SHARD_BYTES or k == len(sources) - 1:
                 shards.append(cur)
                 cur, size = {}, 0
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-    else:
-        wm = {}
-        for k, sh in enumerate(shards):
-            fname = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(sh, out / fname, metadata={"format": "pt"})
-            wm.update(dict.fromkeys(sh, fname))
+    mask = os.umask(0)
+    os.umask(mask)
+    names = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    for fname, sh in zip(names, shards):
+        save_file(sh, out / fname, metadata={"format": "pt"})
+        os.chmod(out / fname, 0o666 & ~mask)  # as its other files: safetensors writes 0600
+    if len(shards) > 1:
+        wm = {t: fname for fname, sh in zip(names, shards) for t in sh}
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
     write_tokenizer(out, cfg.vocab)

@@ -67,7 +67,7 @@ def test_ctrl_c_and_sigterm_on_a_waiting_head_and_stage_are_one_line(cut, tmp_pa
     head = _head(cut / "stage0", _port(), _port(), tmp_path / "head.log")
     stage = _joiner(cut / "stage1", nobody, tmp_path / "stage.log")
     try:
-        head.wait_for("waiting for stages")
+        head.wait_for("waiting for stage")
         stage.wait_for("waiting for the head")
         assert re.search(STAMP + rf"stage 1: waiting for the head at 127.0.0.1:{nobody} "
                          r"\(Connection refused\); retrying for 600 s", stage.text()), stage.text()
@@ -111,7 +111,7 @@ def test_the_head_waits_through_junk_and_logs_with_timestamps(cut, tmp_path):
     head = _head(cut / "stage0", pp, port, tmp_path / "head.console", "--log_dir", str(logs))
     socks, stage = [], None
     try:
-        head.wait_for("waiting for stages")
+        head.wait_for("waiting for stage")
         status, body = asyncio.run(_get(url + "/health"))
         assert status == 503 and body["error"]["message"] == "waiting for stage 1 to join", body
         (status, body), = asyncio.run(_one(url, {"prompt": [1, 2, 3]}))
@@ -139,6 +139,8 @@ def test_the_head_waits_through_junk_and_logs_with_timestamps(cut, tmp_path):
                       "sent PING where a Hello was due", "belongs to cut `fd`"):
             assert re.search(STAMP + "head: refused .*" + re.escape(words), text), (words, text)
         assert all(_one_line(text, ln) for ln in text.splitlines() if "refused" in ln)
+        # a client's mistake (here a 503 while stage 1 joins): one stamp, not absl's prefix too
+        assert re.search(STAMP + r"http: POST /v1/completions from \S+: 503 waiting", text), text
         for k in range(3):
             (status, _), = asyncio.run(_one(url, {"prompt": [1, 2, 3 + k]}))
             assert status == 200
@@ -165,7 +167,7 @@ def test_a_trickling_connection_cannot_hold_the_head_past_its_startup_timeout(cu
     head = _head(cut / "stage0", pp, _port(), tmp_path / "head.log", "--startup_timeout", "3")
     socks = []
     try:
-        head.wait_for("waiting for stages")
+        head.wait_for("waiting for stage")
         t0 = time.time()
         socks = [socket.create_connection(("127.0.0.1", pp)) for _ in range(3)]
         _trickle(socks[0], encode("HELLO", {"stage": 1}), 0.5)
@@ -224,7 +226,7 @@ def test_a_stage_that_names_no_checkpoint_is_refused(cut, tmp_path):
     pp = _port()
     head = _head(cut / "stage0", pp, _port(), tmp_path / "head.log", "--startup_timeout", "20")
     try:
-        head.wait_for("waiting for stages")
+        head.wait_for("waiting for stage")
         with pytest.raises(ProtocolError, match="stage 1 named no checkpoint in its Hello: run "
                            "one kernjax on every stage"):
             FakeStage(cut, pp, named=False)
@@ -244,7 +246,7 @@ def test_a_malformed_frame_from_a_joined_stage_ends_the_pipeline_at_once(cut, tm
     pp, port = _port(), _port()
     head = _head(cut / "stage0", pp, port, tmp_path / "head.log")
     try:
-        head.wait_for("waiting for stages")
+        head.wait_for("waiting for stage")
         stage = FakeStage(cut, pp)
         head.wait_for("serving")
 

@@ -55,6 +55,8 @@ def test_write_random_is_deterministic(f32, tmp_path):
                                  progress=False)
     assert _sha(again / "model.safetensors") == _sha(f32 / "model.safetensors")
     assert (again / "config.json").read_text() == (f32 / "config.json").read_text()
+    modes = {f.name: f.stat().st_mode & 0o777 for f in again.iterdir()}
+    assert len(set(modes.values())) == 1, modes  # the tensors as readable as the config
     other = weights.write_random(MODEL, seed=1, dtype="float32", out=tmp_path / "seed1",
                                  progress=False)
     a, b = _tensors(f32), _tensors(other)

@@ -6,7 +6,7 @@
 
 Stage 0 is the head (HTTP, scheduler, page pool); other stages join it. The head binds its HTTP
 port once it has loaded its stage, before compiling it (a taken port is an error at once), answers /health with a 503
-"waiting for stages ..." while the others join, and says "serving" once they have. Every log line
+"waiting for stage(s) ..." while the others join, and says "serving" once they have. Every log line
 starts with its UTC time; --log_dir DIR also writes it to DIR/stage<k>.log (--log_file FILE: to
 FILE, rewritten at each start), and the console then shows all but the `pp item` lines. Flags can
 come from a file with absl's --flagfile.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging as std_logging
 import math
 import os
 import socket
@@ -90,7 +91,9 @@ def _log_to() -> None:
         except OSError as e:
             raise OSError(f"cannot write the log `{path}`: {e.strerror or e}") from None
     sys.stderr = _Stamped(sys.stderr, file)
-    logging.get_absl_handler().python_handler.setStream(sys.stderr)  # absl's lines too
+    handler = logging.get_absl_handler().python_handler  # absl's lines too, stamped once:
+    handler.setStream(sys.stderr)  # without absl's own prefix (its time, thread, file:line)
+    handler.setFormatter(std_logging.Formatter("%(message)s"))
     if path:
         print(f"logging to {path}", file=sys.stderr)
 
@@ -209,7 +212,7 @@ def serve_main():
     flags.DEFINE_string("api_key", None, "require `Authorization: Bearer KEY` on every path but "
                         "/health and /metrics (head)")
     flags.DEFINE_integer("max_connections", None, "requests in progress before more get a 503 "
-                         "(default: the open-file limit less 256, at most 4096)")
+                         "(default: the open-file limit less 256, at least 64 and at most 4096)")
     flags.DEFINE_float("body_timeout", 30.0, "seconds a request body may take to arrive (else "
                        "408); idle connections close after it")
     flags.DEFINE_integer("max_prompts", 64, "prompts in one batch request; with the context it "

@@ -176,7 +176,7 @@ class Head:
             say(f"stage {s} joined from {ip}")
             return None
 
-        say(f"cut `{self.art.cut_id}`, waiting for stages 1..{self.stages - 1} on {self.listen}")
+        say(f"cut `{self.art.cut_id}`, {self._missing(range(1, self.stages))} on {self.listen}")
         deadline = time.time() + timeout
         while done := handshakes(self._server, take, done=lambda: len(hellos) == self.stages - 1,
                                  deadline=deadline, log=say, limit=min(self.max_frame, HELLO_MAX)):

@@ -332,9 +332,9 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
 
     async def complete(request: web.Request, chat: bool) -> web.StreamResponse:
         if chat and render is None:
-            raise Bad("the checkpoint has no chat template (no tokenizer, or no `chat_template` "
-                      "in its tokenizer_config.json); send /v1/completions with the prompt as "
-                      "text", "messages")
+            raise Bad("the checkpoint has no chat template (no tokenizer, or neither a "
+                      "chat_template.jinja nor a `chat_template` in its tokenizer_config.json); "
+                      "send /v1/completions with the prompt as text", "messages")
         if chat and isinstance(render, str):
             raise Bad(render, "messages", 501)
         data = await read(request)
@@ -496,12 +496,14 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
 
     def malformed(record: logging.LogRecord) -> bool:
         """aiohttp's record of a request HTTP itself cannot parse (answered 400 by aiohttp, and
-        counted here) or of a body that does not decode (answered and counted by `read`, then
-        met again by aiohttp's drain): one line, no traceback. Others (a fault) keep theirs."""
+        counted here): one line, no traceback. A body that does not decode, met again by
+        aiohttp's drain, was answered (and, where read, logged and counted) by its handler: no
+        second line. Others (a fault) keep their traceback."""
         e = record.exc_info and record.exc_info[1]
-        if isinstance(e, HttpProcessingError | RequestPayloadError):
-            if isinstance(e, HttpProcessingError):
-                metrics.requests.labels("bad_request").inc()
+        if isinstance(e, RequestPayloadError):
+            return False
+        if isinstance(e, HttpProcessingError):
+            metrics.requests.labels("bad_request").inc()
             record.msg, record.args = "http: a malformed request, answered 400: %s", (
                 one_line(str(getattr(e, "message", e))[:200]),)
             record.exc_info = record.exc_text = None
