@@ -28,10 +28,10 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-import sys
 from multiprocessing import resource_tracker, shared_memory
 from pathlib import Path
 

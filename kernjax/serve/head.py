@@ -1,12 +1,13 @@
 """The head: stage 0, the only page pool, admission, packing, and the pipeline's bookkeeping.
 
 Startup (kern-serve PP3): the head loads stage 0 and listens on `--pp_listen`; every other stage
-connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills, checkpoint}.
-The head reads every connection's Hello in a thread of its own (`protocol.handshakes`) and refuses,
-with one log line, a Hello with another cut id or other weights, a stage number out of range or
-taken twice, or a signature that does not chain, and anything that is not a Hello in time; once all stages are in (`join`,
-while `waiting()` says which are missing and requests get a 503) it sizes its pool to the fewest
-pages any stage holds, answers each with a Table {pages, next} and connects to stage 1.
+connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills,
+checkpoint}. The head reads every connection's Hello in a thread of its own
+(`protocol.handshakes`) and refuses, with one log line, a Hello with another cut id or other
+weights, a stage number out of range or taken twice, or a signature that does not chain, and
+anything that is not a Hello in time; once all stages are in (`join`, while `waiting()` says
+which are missing and requests get a 503) it sizes its pool to the fewest pages any stage holds,
+answers each with a Table {pages, next} and connects to stage 1.
 
 Serving: `submit` admits a prompt or refuses it at once with the limit it breaks (kern's head
 wedged on a prompt past its context bound). The scheduler thread leases pages FIFO under
