@@ -55,7 +55,7 @@ def read_prompts(path) -> list[list[int]]:
         raise ValueError(f"--prompts `{path}` " + ("is a directory" if Path(path).exists() else
                                                    "does not exist"))
     out = []
-    with open(path) as f:
+    with open(path, encoding="utf-8", errors="replace") as f:  # a stray byte: a bad id below
         for k, line in enumerate(f, 1):
             if not line.strip():
                 continue

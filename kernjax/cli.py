@@ -114,6 +114,8 @@ def _parse(argv: list[str]) -> list[str]:
     """absl's flag parsing, its errors (a missing, unknown or malformed flag) as user errors."""
     try:
         return FLAGS(argv)
+    except UnicodeDecodeError as e:  # absl reads --flagfile as UTF-8
+        _fail(f"a --flagfile is not UTF-8 text ({e.reason} at byte {e.start}); write it as text")
     except flags.Error as e:
         msg = re.sub(r"flag --(\w+)=None: Flag --\w+ must have a value other than None\.",
                      r"--\1 is required", str(e))
@@ -134,7 +136,7 @@ def source_flags() -> None:
     flags.DEFINE_string("weights", None, "a Hugging Face checkpoint directory")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "compute dtype; default: the "
                       "checkpoint's")
-    flags.DEFINE_integer("seed", 0, "seed of a named model's random weights")
+    flags.DEFINE_integer("seed", 0, "seed of a named model's random weights", lower_bound=0)
 
 
 def source():
@@ -151,7 +153,8 @@ def source():
     if FLAGS.weights:
         path = Path(FLAGS.weights).resolve()
         fam, cfg = weights.read_config(path)
-        return fam, cfg, {"dir": str(path)}, FLAGS.dtype or cfg.dtype
+        ref = {"dir": str(path), "id": weights.fingerprint(path)}  # what it held at the cut
+        return fam, cfg, ref, FLAGS.dtype or cfg.dtype
     fam, cfg = models.named(FLAGS.model)
     dtype = FLAGS.dtype or cfg.dtype
     return fam, cfg, {"model": FLAGS.model, "seed": FLAGS.seed, "dtype": dtype}, dtype
@@ -391,9 +394,25 @@ def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, con
                                           item=item_shape(program, fam.PAGE)))
 
 
+def _one_checkpoint(sd: Path, names) -> None:
+    """Refuses stage directories that record different checkpoints (stages of two cuts put
+    together): one pipeline runs one checkpoint, unless --weights gives them all another."""
+    from kernjax import stage as artifacts
+    refs = {n: artifacts.read(sd / n).manifest["checkpoint"] for n in names}
+    named = {n: f"`{r['dir']}`" if "dir" in r else f"random {r.get('model')} (seed "
+             f"{r.get('seed')}, {r.get('dtype')})" for n, r in refs.items()}
+    for n in names[1:]:
+        if refs[n] != refs[names[0]]:
+            raise ValueError(f"`{sd / n}` was cut from {named[n]}, `{sd / names[0]}` from "
+                             f"{named[names[0]]} (or it changed in between): one pipeline runs "
+                             "one checkpoint; cut again into one --out, or pass --weights DIR")
+
+
 def _pipeline(stages_dir: Path, names, *, dtype, weights_dir, cache):
     from kernjax.run import Pipeline
     from kernjax.runner import open_stage
+    if not weights_dir:
+        _one_checkpoint(stages_dir, names)
     return Pipeline([open_stage(stages_dir / n, weights=weights_dir, dtype=dtype, cache=cache)
                      for n in names])
 
@@ -471,7 +490,11 @@ prompt's length and its first token."""
               + f" ({time.time() - t0:.2f} s, compile included)")
         if FLAGS.save:
             save = FLAGS.save if FLAGS.save.endswith(".npz") else FLAGS.save + ".npz"  # as numpy
-            np.savez(save, logits=logits, token=np.int32(token))
+            try:
+                np.savez(save, logits=logits, token=np.int32(token))
+            except OSError as e:
+                raise OSError(f"--save {FLAGS.save}: cannot write `{save}` ({e.strerror or e})") \
+                    from None
             print(f"saved logits and token to {save}")
 
     return main
@@ -484,6 +507,11 @@ def _prompt(ckpt: Path, vocab: int) -> list[int]:
         if tok is None:
             raise ValueError("--prompt needs the checkpoint's tokenizer.json, and this checkpoint "
                              "has none; pass --tokens \"1 2 3\" instead")
+        try:
+            FLAGS.prompt.encode("utf-8")  # the shell's bytes that are not UTF-8 decode to these
+        except UnicodeEncodeError as e:
+            raise ValueError(f"--prompt is not UTF-8 text (byte {e.start}); pass UTF-8, or "
+                             "--tokens \"1 2 3\"") from None
         toks = tok.encode(FLAGS.prompt, add_special_tokens=False).ids
     else:
         try:
@@ -539,6 +567,8 @@ prompt and PASS or FAIL; exits 0 on PASS, 1 on FAIL."""
         names = stage_names(sd)
         cache = {}
         t0 = time.time()
+        if not FLAGS.weights:
+            _one_checkpoint(sd, ["whole"] + names)
         whole = _pipeline(sd, ["whole"], dtype=FLAGS.dtype, weights_dir=FLAGS.weights, cache=cache)
         split = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
                           cache=cache)
@@ -561,7 +591,7 @@ The verb `random` writes the named model's deterministic random checkpoint in Hu
 format (config.json, safetensors), with a small byte-level tokenizer.json that fits its
 vocabulary."""
     flags.DEFINE_string("model", None, "the named model")
-    flags.DEFINE_integer("seed", 0, "random seed")
+    flags.DEFINE_integer("seed", 0, "random seed", lower_bound=0)
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "dtype (default: the model's)")
     flags.DEFINE_string("out", None, "checkpoint directory to write")
     flags.mark_flags_as_required(["model", "out"])

@@ -37,6 +37,10 @@ def checkpoint_dir(ref: dict, where: str | Path = "the artifact") -> Path:
             raise artifacts.ArtifactError(
                 f"checkpoint `{ref['dir']}`, recorded by `{where}` when it was cut, does not "
                 "exist any more; pass --weights CHECKPOINT_DIR (or re-cut)")
+        if "id" in ref and ckpts.fingerprint(ref["dir"]) != ref["id"]:
+            raise artifacts.ArtifactError(
+                f"checkpoint `{ref['dir']}` holds other tensors than when `{where}` was cut from "
+                f"it; pass --weights {ref['dir']} to run on what it holds now, or re-cut")
         return Path(ref["dir"])
     return ckpts.random_checkpoint(ref["model"], seed=ref["seed"], dtype=ref["dtype"])
 

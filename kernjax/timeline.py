@@ -232,7 +232,10 @@ def png(items, path, *, first: int = 0, last: int | None = None, max_items: int 
     ax.set_xlabel("ms since the first start")
     ax.set_title(f"pipeline timeline, items {ks[0]}..{ks[-1]}")
     fig.tight_layout()
-    fig.savefig(path, format="png", dpi=100)
+    try:
+        fig.savefig(path, format="png", dpi=100)
+    except OSError as e:
+        raise OSError(f"--png {path}: cannot write it ({e.strerror or e})") from None
     return Path(path)
 
 

@@ -149,19 +149,24 @@ def fingerprint(ckpt: str | os.PathLike) -> str:
     where the shard index says, however the tensors are split into files. Checkpoints of one
     shape differ in it where a tensor differs throughout (another seed, a fine-tune, one norm
     retrained); a change confined to part of a large tensor may not show. The stages of a
-    pipeline must agree on it (the head refuses a stage that does not)."""
+    pipeline must agree on it (the head refuses a stage that does not). A damaged file is
+    hashed as far as it reads: `load` says what is wrong with it."""
     h, headers = hashlib.blake2b(digest_size=8), {}
     for name, path in sorted(_files(Path(ckpt)).items()):
         with open(path, "rb") as f:
-            if path not in headers:  # safetensors: u64 header length, JSON header, the data
-                n = int.from_bytes(f.read(8), "little")
-                headers[path] = (8 + n, json.loads(f.read(n)))
-            t = headers[path][1].get(name) or {}
-            a, b = (headers[path][0] + x for x in t.get("data_offsets", (0, 0)))
-            h.update(json.dumps([name, t.get("dtype"), t.get("shape")]).encode())
+            try:
+                if path not in headers:  # safetensors: u64 header length, JSON header, data
+                    n = int.from_bytes(f.read(8), "little")
+                    headers[path] = (8 + n, json.loads(f.read(min(n, 100 << 20))))
+                t = headers[path][1][name]
+                a, b = (headers[path][0] + int(x) for x in t["data_offsets"])
+                h.update(json.dumps([name, t["dtype"], t["shape"]]).encode())
+            except (ValueError, TypeError, KeyError, IndexError) as e:
+                h.update(f"{name}: {type(e).__name__}".encode())
+                continue
             for off in sorted({a, max(a, (a + b) // 2 - 2048), max(a, b - 4096)}):
                 f.seek(off)
-                h.update(f.read(min(4096, b - off)))
+                h.update(f.read(max(0, min(4096, b - off))))
     return h.hexdigest()
 
 
@@ -269,7 +274,10 @@ def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
     names = ["model.safetensors"] if len(shards) == 1 else \
         [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
     for fname, sh in zip(names, shards):
-        save_file(sh, out / fname, metadata={"format": "pt"})
+        try:
+            save_file(sh, out / fname, metadata={"format": "pt"})
+        except SafetensorError as e:  # a read-only --out, say
+            raise OSError(f"cannot write `{out / fname}`: {e}") from None
         os.chmod(out / fname, 0o666 & ~mask)  # as its other files: safetensors writes 0600
     if len(shards) > 1:
         wm = {t: fname for fname, sh in zip(names, shards) for t in sh}

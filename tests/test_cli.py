@@ -37,8 +37,12 @@ def work(tmp_path_factory):
     checkpoint of another model, a foreign directory; cwd for every command below."""
     t = tmp_path_factory.mktemp("cli")
     weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck", progress=False)
+    weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck2", progress=False)
     made = _all({"three": ["kernjax.cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
-                 "sw": ["kernjax.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL]}, t)
+                 "sw": ["kernjax.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL],
+                 "sw2": ["kernjax.cut", "--weights", "ck2", "--at", "2", "--out", "sw2", *SMALL],
+                 "s1": ["kernjax.cut", "--model", MODEL, "--seed", "1", "--at", "2", "--out",
+                        "s1", *SMALL]}, t)
     made["two"] = _cli("kernjax.cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
     for p in made.values():
         assert p.returncode == 0, p.stderr
@@ -59,6 +63,13 @@ def work(tmp_path_factory):
         {k: v for k, v in man.items() if k != "cut"}))
     shutil.copytree(t / "st", t / "oldjax")
     (t / "oldjax" / "stage1" / "manifest.json").write_text(json.dumps({**man, "jax": "0.0.1"}))
+    # ck2 rewritten with seed 1 after sw2 was cut from it; mixed: st's stage0 and whole, s1's stage1
+    weights.write_random(MODEL, seed=1, dtype="bfloat16", out=t / "seed1", progress=False)
+    (t / "seed1" / "model.safetensors").replace(t / "ck2" / "model.safetensors")
+    shutil.copytree(t / "st", t / "mixed")
+    shutil.rmtree(t / "mixed" / "stage1")
+    shutil.copytree(t / "s1" / "stage1", t / "mixed" / "stage1")
+    (t / "nonutf8.flags").write_bytes(b"--tokens=1\xff\n")
     (t / "foreign").mkdir()
     (t / "foreign" / "config.json").write_text("{}")
     (t / "one.txt").write_text("7\n")
@@ -121,7 +132,7 @@ REFUSALS = {
                        "it: `st`"),
     "stages_too_high": (["kernjax.run", "--stages", ".", "--tokens", "5"],
                         "`.` holds no stage0/ .. directories; it holds cuts: pass one of "
-                        "`badman`, `oldjax`, `st`, `sw`"),
+                        "`badman`, `mixed`, `oldjax`, `s1`, `st`, `sw`, `sw2`"),
     "stages_missing": (["kernjax.run", "--stages", "nowhere", "--tokens", "5"],
                        "--stages `nowhere` does not exist"),
     "weights_missing": (["kernjax.run", "--weights", "nowhere", "--tokens", "5"],
@@ -170,6 +181,24 @@ REFUSALS = {
                      "Unknown command line flag 'transprot'. Did you mean: transport"),
     "flagfile_missing": (["kernjax.cut", "--flagfile=missing.flags", "--out", "x"],
                          "error: Unable to open flagfile: [Errno 2] No such file"),
+    "flagfile_not_utf8": (["kernjax.run", "--flagfile=nonutf8.flags", "--model", MODEL],
+                          "a --flagfile is not UTF-8 text (invalid start byte at byte 10)"),
+    "seed_negative": (["kernjax.cut", "--model", MODEL, "--seed", "-1", "--at", "2", "--out",
+                       "x"], "flag --seed=-1: -1 is not"),
+    "prompt_not_utf8": (["kernjax.run", "--model", MODEL, "--prompt", "ab\udcffcd"],
+                        "--prompt is not UTF-8 text (byte 2); pass UTF-8, or --tokens"),
+    "save_nowhere": (["kernjax.run", "--model", MODEL, "--tokens", "5", "--save", "no/dir/x"],
+                     "--save no/dir/x: cannot write `no/dir/x.npz` (No such file or directory)"),
+    "stages_of_two_checkpoints": (["kernjax.run", "--stages", "mixed", "--tokens", "5"],
+                                  "`mixed/stage1` was cut from random qwen3-tiny (seed 1, "
+                                  "bfloat16), `mixed/stage0` from random qwen3-tiny (seed 0, "
+                                  "bfloat16) (or it changed in between): one pipeline runs one "
+                                  "checkpoint"),
+    "chain_of_two_checkpoints": (["kernjax.chain", "--stages", "mixed", "--prompts", "one.txt"],
+                                 "`mixed/stage1` was cut from random qwen3-tiny (seed 1"),
+    "checkpoint_changed": (["kernjax.run", "--stages", "sw2", "--tokens", "5"],
+                           "ck2` holds other tensors than when `sw2/stage0` was cut from it; "
+                           "pass --weights"),
     "auto_without_profile": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
                              "--at auto needs --profile FILE"),
     "auto_other_rows": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z",
