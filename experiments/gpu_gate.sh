@@ -50,6 +50,7 @@
 #              8k prefill in one chunk back to back and after 3 s idle, and the attention kernel
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
+#   (chain: $ATS picks cut points, default "18 c226 12,24"; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
 #              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/
@@ -237,7 +238,7 @@ for step in "$@"; do
   chain)
     for c in $CHUNKS; do
       python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
-      for at in 18 c226 12,24; do
+      for at in ${ATS:-18 c226 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
         python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
