@@ -6,6 +6,7 @@ must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -49,6 +50,16 @@ def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *,
     return ok
 
 
+def token_ids(text: str) -> list[int]:
+    """Token ids separated by whitespace or commas, in ASCII digits (int() would also read
+    `١`, `１２` or `1_0`); a ValueError names the first that is not one."""
+    ids = text.replace(",", " ").split()
+    bad = [t for t in ids if not re.fullmatch(r"-?[0-9]+", t)]
+    if bad:
+        raise ValueError(f"`{bad[0][:20]}` is not a token id")
+    return [int(t) for t in ids]
+
+
 def read_prompts(path) -> list[list[int]]:
     """One prompt per non-empty line, token ids separated by whitespace."""
     if not Path(path).exists() or Path(path).is_dir():
@@ -60,7 +71,7 @@ def read_prompts(path) -> list[list[int]]:
             if not line.strip():
                 continue
             try:
-                out.append([int(t) for t in line.split()])
+                out.append(token_ids(line))
             except ValueError as e:
                 raise ValueError(f"{path}:{k}: a prompt line holds token ids separated by "
                                  f"spaces ({e})") from e

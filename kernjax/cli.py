@@ -52,9 +52,10 @@ def run(main_def) -> None:
             logging.set_verbosity(logging.WARNING)
             extra = argv[1:]
             takes, verbs = getattr(main, "takes_args", False), getattr(main, "verbs", [])
-            if extra and not takes and extra != verbs[:1] * len(extra):
-                _fail(f"unexpected arguments {extra}; " + (f"the verb is {verbs[0]}, " if verbs
-                      else "") + "every option is a --flag (see --help)")
+            if not takes and extra != verbs[:1]:
+                _fail((f"unexpected arguments {extra}; " if extra else "") + (
+                    f"the verb is {verbs[0]}, " if verbs else "") + "every option is a --flag "
+                    "(see --help)")
             from kernjax.cut import CutError
             from kernjax.runner import StageError
             from kernjax.stage import ArtifactError
@@ -514,11 +515,12 @@ def _prompt(ckpt: Path, vocab: int) -> list[int]:
                              "--tokens \"1 2 3\"") from None
         toks = tok.encode(FLAGS.prompt, add_special_tokens=False).ids
     else:
+        from kernjax.chain import token_ids
         try:
-            toks = [int(t) for t in FLAGS.tokens.replace(",", " ").split()]
-        except ValueError:
-            raise ValueError(f"--tokens `{FLAGS.tokens}`: give token ids separated by spaces") \
-                from None
+            toks = token_ids(FLAGS.tokens)
+        except ValueError as e:
+            raise ValueError(f"--tokens `{FLAGS.tokens[:80]}`: {e}; give token ids separated by "
+                             "spaces") from None
     if not toks:
         raise ValueError("the prompt is empty; give at least one token")
     bad = [t for t in toks if not 0 <= t < vocab]

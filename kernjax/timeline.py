@@ -39,7 +39,8 @@ from pathlib import Path
 
 import numpy as np
 
-_LINE = re.compile(r"\bpp item stage=(\d+) item=(\d+) rows=(\d+) issued_us=(\d+) done_us=(\d+)")
+_LINE = re.compile(r"\bpp item stage=(\d+) item=(\d+) rows=(\d+) issued_us=(\d+) done_us=(\d+)",
+                   re.ASCII)
 
 
 def log_item(stage: int, item: int, rows: int, issued: float, done: float) -> None:
@@ -56,9 +57,11 @@ def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
         is done before it was issued.
     """
     items: dict[int, dict[int, tuple[int, int, int]]] = {}
+    odd = []  # lines that mention `pp item` and do not parse: said, not counted
     for line in lines:
         m = _LINE.search(line)
         if m is None:
+            odd += [line] if "pp item" in line else []
             continue
         stage, item, rows, issued, done = map(int, m.groups())
         per = items.setdefault(stage, {})
@@ -69,6 +72,9 @@ def parse(lines: Iterable[str]) -> dict[int, dict[int, tuple[int, int, int]]]:
             raise ValueError(f"stage {stage} item {item}: done_us {done} precedes issued_us "
                              f"{issued}; a `pp item` line gives its issue time first")
         per[item] = (issued, done, rows)
+    if odd:
+        print(f"note: {len(odd)} line(s) mention `pp item` but do not parse, skipped; the first: "
+              f"{odd[0][:160]!r}", file=sys.stderr)
     if not items:
         raise ValueError("no `pp item stage=S item=K rows=R issued_us=I done_us=D` lines found; "
                          "give the logs of the stage processes")
@@ -244,10 +250,10 @@ def timeline_main():
     from absl import flags
     flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
     flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn (item 0 has "
-                         "no previous item, so no period)")
+                         "no previous item, so no period)", lower_bound=0)
     flags.DEFINE_integer("last", None, "the last item counted and drawn (default: the last on "
                          "every stage; the gantt draws 20 from --first)")
-    flags.DEFINE_integer("width", 120, "columns of the text gantt")
+    flags.DEFINE_integer("width", 120, "columns of the text gantt", upper_bound=10000)
     FLAGS = flags.FLAGS
 
     def main(logs=()):
@@ -259,6 +265,8 @@ def timeline_main():
             if not log.is_file():
                 raise ValueError(f"log `{log}` is not a file")
             lines += log.read_text(errors="replace").splitlines()
+        if FLAGS.last is not None and FLAGS.last < FLAGS.first:
+            raise ValueError(f"--last {FLAGS.last} is before --first {FLAGS.first}")
         items = parse(lines)
         print(report(items, first=FLAGS.first, last=FLAGS.last))
         print()

@@ -163,3 +163,24 @@ def test_command_line(tmp_path):
     bad = subprocess.run(cmd[:3] + [str(tmp_path / "none.log")], capture_output=True, text=True)
     assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
 
+
+
+def test_lines_that_mention_pp_item_and_do_not_parse_are_said(capsys):
+    """Skipped, not counted, and said once; digits other than ASCII's are not numbers here."""
+    good = _log([10], 3)
+    got = parse(good + ["pp item stage=0 item=9 rows=1", "pp item stage=0 item=٣ rows=1 "
+                        "issued_us=1 done_us=2"])
+    assert got == parse(good)
+    err = capsys.readouterr().err
+    assert "note: 2 line(s) mention `pp item` but do not parse, skipped" in err, err
+
+
+def test_command_line_bounds(tmp_path):
+    log = tmp_path / "stage0.log"
+    log.write_text("\n".join(_log([10], 8)))
+    cmd = [sys.executable, "-m", "kernjax.timeline", str(log)]
+    for extra, words in ((["--first", "5", "--last", "2"], "--last 2 is before --first 5"),
+                         (["--first", "-1"], "flag --first=-1: -1 is not"),
+                         (["--width", "100000000"], "flag --width=100000000")):
+        p = subprocess.run(cmd + extra, capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
