@@ -325,7 +325,11 @@ def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> 
     path = cache_dir() / "random" / f"{name}-seed{seed}-{dtype}"
     if not (path / "config.json").is_file():
         tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        write_random(name, seed=seed, dtype=dtype, out=tmp)
+        try:
+            write_random(name, seed=seed, dtype=dtype, out=tmp)
+        except BaseException:  # a failed or interrupted write leaves no half checkpoint behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         try:
             tmp.rename(path)
         except OSError:  # another process made it first

@@ -311,3 +311,16 @@ def test_a_tensor_stored_in_a_dtype_the_model_cannot_read_as_is_refused(f32, tmp
         weights.load(tmp_path, [("x.packed", (4, 4), "uint8")])
     got = weights.load(tmp_path, [("x.f16", (4,), "bfloat16")])  # a float is cast
     assert got["x.f16"].dtype == ml_dtypes.bfloat16
+
+
+def test_a_failed_random_checkpoint_leaves_no_half_behind(tmp_path, monkeypatch):
+    monkeypatch.setenv("KERNJAX_CACHE", str(tmp_path))
+
+    def fail(*a, out, **k):
+        Path(out).mkdir(parents=True)
+        (Path(out) / "half").write_text("x")
+        raise OSError("disk full")
+    monkeypatch.setattr(weights, "write_random", fail)
+    with pytest.raises(OSError, match="disk full"):
+        weights.random_checkpoint(MODEL, seed=3)
+    assert list((tmp_path / "random").iterdir()) == []  # the half written one is gone
