@@ -412,8 +412,6 @@ def _one_checkpoint(sd: Path, names) -> None:
 def _pipeline(stages_dir: Path, names, *, dtype, weights_dir, cache):
     from kernjax.run import Pipeline
     from kernjax.runner import open_stage
-    if not weights_dir:
-        _one_checkpoint(stages_dir, names)
     return Pipeline([open_stage(stages_dir / n, weights=weights_dir, dtype=dtype, cache=cache)
                      for n in names])
 
@@ -464,6 +462,8 @@ prompt's length and its first token."""
                 raise ValueError("--stages names the model already; drop --model")
             sd = Path(FLAGS.stages)
             m = artifacts.read(sd / stage_names(sd)[0]).manifest
+            if not FLAGS.weights:
+                _one_checkpoint(sd, stage_names(sd))
             ref_dir = Path(FLAGS.weights) if FLAGS.weights else \
                 checkpoint_dir(m["checkpoint"], sd / "stage0")
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
