@@ -2,8 +2,8 @@
 
 `write` serializes a `Stage` with `jax.export` (StableHLO; FFI targets are registered by the
 runtime before loading) and a manifest holding everything `kernjax.cut` prints, each kept
-weight's checkpoint name, dtype and shape, the cut `{id, stage, stages}` and the checkpoint the
-stage binds. The uncut program is the same artifact with one stage (`whole/`).
+weight's checkpoint name, dtype and shape, the cut `{id, stage, stages}` and the checkpoint bound
+(`{dir, id}` with `weights.fingerprint`, or `{model, seed, dtype}`); `whole/` is the uncut program.
 
 `read` verifies the artifact before anything runs: the format, the jax version that exported it
 and the program's hash. The runtime then checks the weights against the manifest, and stages
