@@ -275,7 +275,7 @@ def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path
     head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--startup_timeout", "20")
     stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights", str(other))
     try:
-        head.wait_for("their bytes differ", 60)
+        head.wait_for("their tensors differ", 60)
         text = head.text() + stage.text()
         assert f"stage 1 runs the weights of `{other}`" in text, text
         assert "start every stage with --weights " in stage.text(), text
