@@ -395,10 +395,13 @@ def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, con
                                           item=item_shape(program, fam.PAGE)))
 
 
-def _one_checkpoint(sd: Path, names) -> None:
-    """Refuses stage directories that record different checkpoints (stages of two cuts put
-    together): one pipeline runs one checkpoint, unless --weights gives them all another."""
+def _stages_checkpoint(sd: Path, names) -> Path:
+    """The one checkpoint the stages `names` of `sd` run: --weights, else the one they all record,
+    found (its fingerprint checked) once; stages that record two (two cuts mixed) are refused."""
     from kernjax import stage as artifacts
+    from kernjax.runner import checkpoint_dir
+    if FLAGS.weights:
+        return Path(FLAGS.weights)
     refs = {n: artifacts.read(sd / n).manifest["checkpoint"] for n in names}
     named = {n: f"`{r['dir']}`" if "dir" in r else f"random {r.get('model')} (seed "
              f"{r.get('seed')}, {r.get('dtype')})" for n, r in refs.items()}
@@ -407,6 +410,7 @@ def _one_checkpoint(sd: Path, names) -> None:
             raise ValueError(f"`{sd / n}` was cut from {named[n]}, `{sd / names[0]}` from "
                              f"{named[names[0]]} (or it changed in between): one pipeline runs "
                              "one checkpoint; cut again into one --out, or pass --weights DIR")
+    return checkpoint_dir(refs[names[0]], sd / names[0])
 
 
 def _pipeline(stages_dir: Path, names, *, dtype, weights_dir, cache):
@@ -462,12 +466,9 @@ prompt's length and its first token."""
                 raise ValueError("--stages names the model already; drop --model")
             sd = Path(FLAGS.stages)
             m = artifacts.read(sd / stage_names(sd)[0]).manifest
-            if not FLAGS.weights:
-                _one_checkpoint(sd, stage_names(sd))
-            ref_dir = Path(FLAGS.weights) if FLAGS.weights else \
-                checkpoint_dir(m["checkpoint"], sd / "stage0")
+            ref_dir = _stages_checkpoint(sd, stage_names(sd))
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
-            pipe = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
+            pipe = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=ref_dir,
                              cache={})
         else:
             fam, cfg, ref, dtype = source()
@@ -569,11 +570,9 @@ prompt and PASS or FAIL; exits 0 on PASS, 1 on FAIL."""
         names = stage_names(sd)
         cache = {}
         t0 = time.time()
-        if not FLAGS.weights:
-            _one_checkpoint(sd, ["whole"] + names)
-        whole = _pipeline(sd, ["whole"], dtype=FLAGS.dtype, weights_dir=FLAGS.weights, cache=cache)
-        split = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=FLAGS.weights,
-                          cache=cache)
+        ckpt = _stages_checkpoint(sd, ["whole"] + names)
+        whole = _pipeline(sd, ["whole"], dtype=FLAGS.dtype, weights_dir=ckpt, cache=cache)
+        split = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=ckpt, cache=cache)
         vocab = whole.runners[0].art.manifest["model"]["config"]["vocab"]
         for k, p in enumerate(prompts):
             if any(not 0 <= t < vocab for t in p):

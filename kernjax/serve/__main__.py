@@ -229,9 +229,10 @@ def serve_main():
         if FLAGS.stage_dir:
             if FLAGS.model:
                 raise ValueError("--stage_dir names the model already; drop --model")
-            runner = open_stage(FLAGS.stage_dir, weights=FLAGS.weights, dtype=FLAGS.dtype)
-            ckpt = Path(FLAGS.weights) if FLAGS.weights else \
-                checkpoint_dir(runner.art.manifest["checkpoint"])
+            from kernjax.stage import read
+            ckpt = Path(FLAGS.weights) if FLAGS.weights else checkpoint_dir(
+                read(FLAGS.stage_dir).manifest["checkpoint"], FLAGS.stage_dir)  # found once
+            runner = open_stage(FLAGS.stage_dir, weights=ckpt, dtype=FLAGS.dtype)
         else:
             fam, cfg, ref, dtype = cli.source()
             with tempfile.TemporaryDirectory() as tmp:
