@@ -20,6 +20,9 @@ keys gathered out of the pages first, one sequence), timed in the same rounds: t
 backend, and `jax.nn.dot_product_attention(implementation="cudnn")`, whose `is_causal` is
 top-left aligned and so right only for the square case (its chunk cases are skipped). They
 read no page table; they say what a vendor kernel reaches on this GPU at the same moment.
+`--kernel fa3` adds FlashAttention-3's forward (causal, dense, one sequence; bottom-right aligned
+like the chunk), built outside the repo by `experiments/fa3_anchor.sh` and found at
+`$KERNJAX_FA3_LIB` (default `build/fa3/libkj_fa3.so`).
 
     python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
@@ -68,7 +71,7 @@ CONFIGS = {
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
 }
-ANCHORS = ("torch-cudnn", "torch-flash", "jax-cudnn")
+ANCHORS = ("torch-cudnn", "torch-flash", "jax-cudnn", "fa3")
 CONFIGS.update({a: [()] for a in ANCHORS})
 SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)],
                  **{a: [()] for a in ANCHORS}}
@@ -99,9 +102,17 @@ def anchor_fn(kernel, scale, c, k):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.attention.bias import causal_lower_right
 
-    backend = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
-               "torch-flash": SDPBackend.FLASH_ATTENTION}[kernel]
-    gather = jax.jit(lambda *x: tuple(jnp.swapaxes(a, 0, 1)[None] for a in dense(k, *x)))
+    fa3 = kernel == "fa3"
+    if fa3:  # q [C, H, D], k and v [K, KV, D], o like q: FlashAttention's own layout
+        import ctypes
+        lib = ctypes.CDLL(os.environ.get("KERNJAX_FA3_LIB", "build/fa3/libkj_fa3.so"))
+        semaphore = torch.zeros(1, dtype=torch.int32, device="cuda")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        gather = jax.jit(lambda *x: dense(k, *x))
+    else:  # torch's [1, heads, rows, D]
+        backend = {"torch-cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "torch-flash": SDPBackend.FLASH_ATTENTION}[kernel]
+        gather = jax.jit(lambda *x: tuple(jnp.swapaxes(a, 0, 1)[None] for a in dense(k, *x)))
     cache = {}
 
     def attend(*x):
@@ -109,6 +120,16 @@ def anchor_fn(kernel, scale, c, k):
         if key not in cache:
             cache[key] = (x[0], [torch.from_dlpack(a) for a in gather(*x)])
         qt, kt, vt = cache[key][1]
+        if fa3:
+            o = torch.empty_like(qt)
+            lse = torch.empty((qt.shape[1], c), dtype=torch.float32, device="cuda")
+            ptr = ctypes.c_void_p
+            rc = lib.kj_fa3_fwd(*(ptr(t.data_ptr()) for t in (qt, kt, vt, o, lse, semaphore)),
+                                c, k, qt.shape[1], kt.shape[1], ctypes.c_float(scale), sms,
+                                ptr(torch.cuda.current_stream().cuda_stream))
+            if rc:
+                raise RuntimeError(f"kj_fa3_fwd returned {rc}")
+            return o
         with sdpa_kernel(backend):
             o = torch.nn.functional.scaled_dot_product_attention(
                 qt, kt, vt, attn_mask=causal_lower_right(c, k), scale=scale, enable_gqa=True)
@@ -119,7 +140,8 @@ def anchor_fn(kernel, scale, c, k):
         return o
 
     def result(*x):  # [C, H, D] as a jax array, for the check against the reference
-        return jnp.asarray(attend(*x)[0].transpose(0, 1).float().cpu().numpy())
+        o = attend(*x)
+        return jnp.asarray((o if fa3 else o[0].transpose(0, 1)).float().cpu().numpy())
     attend.result = result
     return attend, sync
 
@@ -212,8 +234,9 @@ def main():
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
     if a.interpret and any(kn in ANCHORS for kn in kernels):
-        ap.error("--interpret: the anchors (torch-*, jax-cudnn) run on a GPU only")
-    if any(kn.startswith("torch") for kn in kernels):  # before JAX takes 75 % of the GPU
+        ap.error("--interpret: the anchors (torch-*, jax-cudnn, fa3) run on a GPU only")
+    if any(kn.startswith("torch") or kn == "fa3" for kn in kernels):
+        # before JAX takes 75 % of the GPU
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
           f"KV={kv_heads} D={d} bf16, interpret={a.interpret}", flush=True)
