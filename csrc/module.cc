@@ -49,6 +49,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(KjHoldCuda);          // edge.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjRecvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPushCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPostCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjFa3Cuda);           // fa3.cu
+namespace kj {
+std::string Fa3Load(const std::string& path);
+bool Fa3Loaded();
+}  // namespace kj
 #endif
 
 namespace {
@@ -207,6 +212,7 @@ PYBIND11_MODULE(_ffi, m) {
         cuda["kj_recv"] = Encapsulate(KjRecvCuda);
         cuda["kj_push"] = Encapsulate(KjPushCuda);
         cuda["kj_post"] = Encapsulate(KjPostCuda);
+        cuda["kj_fa3"] = Encapsulate(KjFa3Cuda);
 #endif
         py::dict out;
         out["cpu"] = cpu;
@@ -240,6 +246,12 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("device_free", &DeviceFree, py::arg("addr"), py::arg("opened") = false,
         "Frees device_alloc memory, or (opened=True) unmaps ipc_open memory.");
   m.def("nccl_load", &kj::NcclLoad, py::arg("path"), "Loads NCCL (libnccl.so.2) from `path`.");
+#ifdef KERNJAX_CUDA
+  m.def("fa3_load", &kj::Fa3Load, py::arg("path"),
+        "Loads FlashAttention-3 for kj_fa3 (libkj_fa3.so, scripts/fa3) from `path`; returns "
+        "'' or what went wrong.");
+  m.def("fa3_loaded", &kj::Fa3Loaded, "True once fa3_load has succeeded.");
+#endif
   m.def("nccl_unique_id", []() { return py::bytes(kj::NcclUniqueId()); },
         "A new NCCL unique id (128 bytes) for one edge's communicator.");
   m.def("nccl_bind_edge", &kj::NcclBindEdge, py::arg("edge"), py::arg("arrived"),

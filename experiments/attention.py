@@ -1,5 +1,6 @@
-"""Times the chunked-prefill attention kernels on a GPU: the Mosaic GPU kernel
-(`models/attention_hopper.py`, the route for bf16) and the Pallas Triton one
+"""Times the chunked-prefill attention kernels on a GPU: FlashAttention-3 through `kj_fa3`
+(`fa3-paged`, `models/attention_fa3.py`, the route for bf16 with head_dim 128), the Mosaic GPU
+kernel (`models/attention_hopper.py`, f16 and head_dim 64) and the Pallas Triton one
 (`models/attention_pallas.py`, the route for float32).
 
 One sequence per item: a chunk of C query rows at positions K-C .. K-1, so it attends over K keys
@@ -21,7 +22,7 @@ backend, and `jax.nn.dot_product_attention(implementation="cudnn")`, whose `is_c
 top-left aligned and so right only for the square case (its chunk cases are skipped). They
 read no page table; they say what a vendor kernel reaches on this GPU at the same moment.
 `--kernel fa3` adds FlashAttention-3's forward (causal, dense, one sequence; bottom-right aligned
-like the chunk), built outside the repo by `experiments/fa3_anchor.sh` and found at
+like the chunk), built by `scripts/fa3` (with kernjax's own route) and found at
 `$KERNJAX_FA3_LIB` (default `build/fa3/libkj_fa3.so`).
 
     python experiments/attention.py                      # each kernel's default config
@@ -47,7 +48,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernjax.models import attention_hopper, attention_pallas
+from kernjax.models import attention_fa3, attention_hopper, attention_pallas
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clocks  # noqa: E402  (experiments/clocks.py: nvidia-smi's samples)
@@ -70,13 +71,16 @@ CONFIGS = {
     **{f"hopper-{v}": [(64, 128, 2), (64, 64, 3)] for v in attention_hopper.VARIANTS},
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
+    "fa3-paged": [()],
 }
 ANCHORS = ("torch-cudnn", "torch-flash", "jax-cudnn", "fa3")
 CONFIGS.update({a: [()] for a in ANCHORS})
 SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)],
+                 "fa3-paged": [()],
                  **{a: [()] for a in ANCHORS}}
 NAMES = {**{k: ("block_q", "block_kv", "steps") for k in CONFIGS if k.startswith("hopper")},
-         "triton": ("block_q", "block_k", "num_warps", "num_stages"), **{a: () for a in ANCHORS}}
+         "triton": ("block_q", "block_k", "num_warps", "num_stages"), "fa3-paged": (),
+         **{a: () for a in ANCHORS}}
 
 
 def dense(k, kv, q, positions, cu, page_table):
@@ -149,6 +153,8 @@ def anchor_fn(kernel, scale, c, k):
 def kernel_fn(kernel, config, scale, interpret):
     """The kernel as a jitted function of a set; anchors are made by `anchor_fn`."""
     kw = dict(zip(NAMES[kernel], config))
+    if kernel == "fa3-paged":
+        return jax.jit(lambda *x: attention_fa3.chunk_attention(*x, scale=scale))
     if kernel.startswith("hopper"):
         if interpret:
             from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -196,8 +202,9 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="hopper,triton",
-                    help="comma-separated: hopper, triton, or an experimental hopper-<name> "
+    ap.add_argument("--kernel", default="fa3-paged,hopper,triton",
+                    help="comma-separated: fa3-paged, hopper, triton, an anchor (torch-cudnn, "
+                    "torch-flash, jax-cudnn, fa3) or an experimental hopper-<name> "
                     f"({', '.join(attention_hopper.VARIANTS)})")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
     ap.add_argument("--config", default=None, help="one config, e.g. 64,128,2, for each kernel")

@@ -1,9 +1,9 @@
 // An anchor, not part of kernjax: FlashAttention-3's forward (hdim 128, bf16, causal, dense,
 // one sequence) behind a C entry point that experiments/attention.py calls through ctypes.
-// Built against a flash-attention checkout by experiments/fa3_anchor.sh; nothing of it is kept here.
+// Built into build/fa3/libkj_fa3.so by scripts/fa3, against a flash-attention checkout.
 #include "flash_fwd_launch_template.h"
 
-extern "C" int kj_fa3_fwd(void* q, void* k, void* v, void* o, void* lse, void* semaphore,
+extern "C" __attribute__((visibility("default"))) int kj_fa3_fwd(void* q, void* k, void* v, void* o, void* lse, void* semaphore,
                           int sq, int sk, int h, int hk, float scale, int num_sm, void* stream) {
   Flash_fwd_params p = {};
   p.is_bf16 = true;

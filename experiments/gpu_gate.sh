@@ -156,7 +156,10 @@ if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second run in the same call
   python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/logs/build.log" 2>&1 \
     || { tail -20 "$OUT/logs/build.log"; exit 1; }
 fi
-python -c 'import kernjax.ffi as f; print("extension cuda:", f.has_cuda())' 2>&1 | say
+python -c 'import kernjax.ffi as f; f.register(); print("extension cuda:", f.has_cuda(),
+  "| FlashAttention-3:", f._extension().fa3_loaded() and f.fa3_path())' 2>&1 | say
+# bf16 attention runs FlashAttention-3 (scripts/fa3 builds it here; no network there): carry it
+# with `run`'s carry=["build/fa3"]; without it every bf16 qwen3 program fails, saying so.
 
 for step in "$@"; do
   case $step in

@@ -20,6 +20,8 @@ recompile every step. Attributes hold only what is fixed for the life of a progr
   may use any aligned numpy array), so a host thread sees how far a stage has run.
 - `mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
   `models/mxfp4.py: shuffle`; derive programs run it at load).
+- `kj_fa3` (CUDA only) is the bf16 attention call through FlashAttention-3, loaded from
+  `fa3_path()` (`models/attention_fa3.py`, csrc/fa3.h).
 - hold, recv, push and post, the edge ops of csrc/edge.h (kernjax/edge.py puts them into stage
   programs).
 """
@@ -29,6 +31,8 @@ from __future__ import annotations
 import functools
 import importlib
 import operator
+import os
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +45,7 @@ __all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
            "mark_reference", "mxfp4_shuffle", "hold", "recv", "push", "post"]
 
 _REBUILD = "rebuild it with `pip install --no-build-isolation -e .`"
+FA3_LIB = "build/fa3/libkj_fa3.so"
 
 # jax platform name for each key of _ffi.registrations().
 _PLATFORMS = {"cpu": "cpu", "cuda": "CUDA"}
@@ -86,7 +91,25 @@ def register() -> None:
     for key, targets in ext.registrations().items():
         for name, capsule in targets.items():
             jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[key])
+    if ext.has_cuda():
+        _load_fa3(ext)
     _registered = True
+
+
+def fa3_path() -> Path:
+    """Where kj_fa3 loads FlashAttention-3 from: $KERNJAX_FA3_LIB, else build/fa3/libkj_fa3.so
+    beside the package (scripts/fa3 writes it there)."""
+    env = os.environ.get("KERNJAX_FA3_LIB")
+    return Path(env) if env else Path(__file__).resolve().parent.parent / FA3_LIB
+
+
+def _load_fa3(ext) -> None:
+    """Loads it when the file is there or $KERNJAX_FA3_LIB names one. Nothing fails here: a
+    program that needs it and runs without it fails, saying why it is missing and how to build
+    it (csrc/fa3.cu); everything else runs as before."""
+    path = fa3_path()
+    if path.is_file() or "KERNJAX_FA3_LIB" in os.environ:
+        ext.fa3_load(str(path))
 
 
 def has_cuda() -> bool:

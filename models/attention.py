@@ -15,10 +15,11 @@ the last block any row needs, and a block past a row's own position is an exact 
 probabilities are 0 and its running maximum does not move). No score matrix is ever whole.
 
 Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
-id, are the same everywhere): on CUDA GPUs the Mosaic GPU kernel `models/attention_hopper.py`
-(bf16/f16, head_dim 64 or 128: wgmma and TMA, for Hopper), else the Pallas Triton kernel
-`models/attention_pallas.py` (float32 programs, other head dims); `blockwise` below everywhere
-else. The choice within CUDA is by dtype and shape only, never by the device present, so a
+id, are the same everywhere): on CUDA GPUs FlashAttention-3 through the FFI handler `kj_fa3`
+(`models/attention_fa3.py`: bf16, head_dim 128; built by `scripts/fa3`), else the Mosaic GPU
+kernel `models/attention_hopper.py` (f16, or head_dim 64: wgmma and TMA, for Hopper), else the
+Pallas Triton kernel `models/attention_pallas.py` (float32 programs, other head dims);
+`blockwise` below everywhere else. The choice within CUDA is by dtype and shape only, never by the device present, so a
 program traced without a GPU is the one that runs on it. `blockwise` is also the GPU kernels'
 reference in the tests.
 """
@@ -36,9 +37,11 @@ NEG = -1e30  # a masked score: finite, so a row that has seen no key yet gets p 
 
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     """`[rows, heads, head_dim]` attention output; the arguments are the module docstring's."""
-    from . import attention_hopper, attention_pallas
+    from . import attention_fa3, attention_hopper, attention_pallas
 
-    gpu = attention_hopper if attention_hopper.supports(q.dtype, q.shape[-1]) else attention_pallas
+    gpu = (attention_fa3 if attention_fa3.supports(q.dtype, q.shape, kv.shape)
+           else attention_hopper if attention_hopper.supports(q.dtype, q.shape[-1])
+           else attention_pallas)
     return jax.lax.platform_dependent(
         kv, q, positions, cu_seqlens, page_table,
         default=functools.partial(blockwise, scale=scale),

@@ -121,3 +121,40 @@ def test_a_prompt_alone_and_packed_gives_the_same_logits(head_dim):
                    (prompt[30:], 30, (10, 7, 11, 8))]])
     assert alone[0][0].tobytes() == packed[0][1].tobytes()
     assert alone[1][0].tobytes() == packed[1][2].tobytes()
+
+
+def test_the_cuda_route_is_chosen_by_dtype_and_shape():
+    """bf16 with head_dim 128 runs FlashAttention-3 (`kj_fa3`) on CUDA; f16 or head_dim 64 the
+    Mosaic GPU kernel; float32 the Triton one. The program says so, whatever device traced it."""
+    from jax import export
+
+    def lowered(dtype, d):
+        kv = jax.ShapeDtypeStruct((9, 16, 2, 2, d), dtype)
+        q = jax.ShapeDtypeStruct((32, 8, d), dtype)
+        i32 = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((32,), (3,), (2, 4))]
+        f = jax.jit(lambda *a: attention.chunk_attention(*a, scale=d ** -0.5))
+        return str(jax.make_jaxpr(f)(kv, q, *i32)), f, (kv, q, *i32)
+
+    jaxpr, f, args = lowered(jnp.bfloat16, 128)
+    assert "kj_fa3" in jaxpr and "mosaic" not in jaxpr
+    ok = [export.DisabledSafetyCheck.custom_call("kj_fa3")]
+    assert "kj_fa3" in export.export(f, platforms=["cuda"], disabled_checks=ok)(*args).mlir_module()
+    for dtype, d in ((jnp.float16, 128), (jnp.bfloat16, 64)):
+        assert "kj_fa3" not in lowered(dtype, d)[0]
+
+
+def test_a_flashattention_library_that_does_not_load_is_named_not_fatal(tmp_path):
+    """kernjax.ffi loads FlashAttention-3 when it can; a bad library is reported by kj_fa3 when a
+    program needs it (csrc/fa3.cu) and keeps nothing else from running."""
+    from kernjax import ffi
+
+    ffi.register()
+    ext = ffi._extension()
+    if not ext.has_cuda():
+        pytest.skip("the extension was built without nvcc: no kj_fa3")
+    bad = tmp_path / "libkj_fa3.so"
+    bad.write_bytes(b"not a library")
+    said = ext.fa3_load(str(bad))
+    assert str(bad) in said and "cannot load" in said
+    empty = tmp_path / "empty.so"
+    assert "cannot load" in ext.fa3_load(str(empty))

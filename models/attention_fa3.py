@@ -1,0 +1,49 @@
+"""The attention call on CUDA GPUs for bf16 with head_dim 128: FlashAttention-3's forward.
+
+FlashAttention-3 (github.com/Dao-AILab/flash-attention, `hopper/`) is a public library this
+repository does not hold: `scripts/fa3` builds the one instantiation kernjax runs (csrc/fa3/glue.cu:
+varlen queries, pages of 16 read without TMA, causal, no split of the keys) into
+build/fa3/libkj_fa3.so, and the XLA FFI handler `kj_fa3` (csrc/fa3.cu) calls it on XLA's stream.
+It runs 1.2-1.4x this repository's Mosaic GPU kernel (`attention_hopper`) on an H200
+(`experiments/attention.py --kernel fa3`; docs/bitwise.md).
+
+The function is `attention.chunk_attention`'s: each sequence's rows are the last of its context
+(positions consecutive, the last at `positions[cu[s + 1] - 1]`), so FlashAttention's bottom-right
+causal mask over that many keys is the row-by-row rule. A row's bits do not depend on the item:
+the keys are not split, a tile never spans two sequences, and a block past a row's own position
+is masked to zero. Padding rows are zeroed by the handler.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernjax import ffi
+
+
+def supports(dtype, q_shape, kv_shape) -> bool:
+    """Whether this route takes these shapes (FlashAttention-3 is built for bf16, D = 128)."""
+    return (jnp.dtype(dtype) == jnp.bfloat16 and q_shape[-1] == 128 and kv_shape[1] == 16
+            and q_shape[1] % kv_shape[3] == 0)
+
+
+def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
+    if not supports(q.dtype, q.shape, kv.shape):
+        raise ValueError(f"kj_fa3 takes bf16 with head_dim 128: q {q.dtype}{list(q.shape)}, "
+                         f"kv {list(kv.shape)}")
+    try:
+        ffi.register()
+    except ffi.ExtensionError:
+        pass  # a platform that runs the program says so, naming kj_fa3
+    rows, heads, d = q.shape
+    seqs = page_table.shape[0]
+    meta = 4 * (-(-seqs // 4)) + 1 + seqs  # csrc/fa3.h's KjFa3MetaInts, then the key counts
+    o, _, _ = jax.ffi.ffi_call("kj_fa3", (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((heads, rows), jnp.float32),
+        jax.ShapeDtypeStruct((meta,), jnp.int32)))(
+            kv, q, positions.astype(jnp.int32), cu_seqlens.astype(jnp.int32),
+            page_table.astype(jnp.int32), scale=np.float32(scale))
+    return o
