@@ -1,12 +1,17 @@
-// kj_fa3, CUDA: the bf16 attention call through FlashAttention-3 (fa3.h). A small kernel first
-// writes each sequence's key count (its last row's position + 1; 0 for an empty sequence) and
-// zeroes the padding rows past cu_seqlens[seqs], which FlashAttention does not write; then the
-// library's forward, on XLA's stream. The library is loaded by Fa3Load (kernjax/ffi.py); a
-// program run without it fails with a message that says how to build it.
+// kj_fa3, CUDA: the bf16 attention call through FlashAttention-3 (fa3.h), on XLA's stream:
+//   1. Fa3Offsets (one block): each sequence's key count (its last row's position + 1; 0 for an
+//      empty one) and where its keys start in `keys` (whole blocks of 128 rows each);
+//   2. Fa3Gather: each sequence's pages copied there in order, rows past its keys zeroed, and
+//      the item's padding rows past cu_seqlens[seqs] zeroed in the output (FlashAttention does
+//      not write them);
+//   3. the library's forward over the contiguous keys (TMA).
+// The library is loaded by Fa3Load (kernjax/ffi.py); a program run without it fails with a
+// message that says why it is missing and how to build it.
 
 #include <dlfcn.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <mutex>
 #include <string>
 
@@ -23,13 +28,56 @@ KjFa3Fn g_fa3 = nullptr;
 std::string g_fa3_error = "no library was named";
 std::mutex g_fa3_mu;
 
-__global__ void Fa3Prologue(const int32_t* positions, const int32_t* cu, int seqs, int32_t* used,
-                            uint4* o, int64_t row_vecs, int64_t rows) {
-  const int64_t tid = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+constexpr int kPage = 16;
+
+// used[s], cu_keys[0..seqs] (rows, multiples of 128); traps if they pass the scratch, which only
+// pages shared between an item's sequences could make happen.
+__global__ void Fa3Offsets(const int32_t* positions, const int32_t* cu, int seqs, int32_t* used,
+                           int32_t* cu_keys, int64_t key_rows) {
+  if (threadIdx.x != 0) return;
+  int64_t at = 0;
+  for (int s = 0; s < seqs; ++s) {
+    const int32_t n = cu[s + 1] > cu[s] ? positions[cu[s + 1] - 1] + 1 : 0;
+    used[s] = n;
+    cu_keys[s] = int32_t(at);
+    at += (n + 127) / 128 * 128;
+  }
+  cu_keys[seqs] = int32_t(at);
+  if (at > key_rows) {
+    printf("kj_fa3: the item's keys take %lld rows, past the %lld its pages allow: two of its "
+           "sequences share pages\n", (long long)at, (long long)key_rows);
+    __trap();
+  }
+}
+
+// Block b fills the b-th 16-row slot of `keys` (its sequence found by bisection over cu_keys);
+// a row is 2 * kv_heads * 128 bf16 (`row_vecs` uint4). Then every block zeroes its share of the
+// output's padding rows.
+__global__ void Fa3Gather(const uint4* kv, const int32_t* page_table, int width,
+                          const int32_t* used, const int32_t* cu_keys, int seqs, uint4* keys,
+                          int64_t row_vecs, const int32_t* cu, uint4* o, int64_t o_row_vecs,
+                          int64_t rows) {
+  const int64_t first = int64_t(blockIdx.x) * kPage;
+  if (first < cu_keys[seqs]) {
+    int lo = 0, hi = seqs - 1;  // the last s with cu_keys[s] <= first
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (cu_keys[mid] <= first) lo = mid; else hi = mid - 1;
+    }
+    const int64_t j = (first - cu_keys[lo]) / kPage;  // the sequence's page
+    const int n = used[lo];
+    const uint4* src = kv + int64_t(j * kPage < n ? page_table[int64_t(lo) * width + j] : 0) *
+                                kPage * row_vecs;
+    uint4* dst = keys + first * row_vecs;
+    for (int r = 0; r < kPage; ++r) {
+      const bool key = j * kPage + r < n;
+      for (int64_t i = r * row_vecs + threadIdx.x; i < (r + 1) * row_vecs; i += blockDim.x)
+        dst[i] = key ? src[i] : make_uint4(0, 0, 0, 0);
+    }
+  }
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t s = tid; s < seqs; s += step)
-    used[s] = cu[s + 1] > cu[s] ? positions[cu[s + 1] - 1] + 1 : 0;
-  for (int64_t i = int64_t(cu[seqs]) * row_vecs + tid; i < rows * row_vecs; i += step)
+  for (int64_t i = int64_t(cu[seqs]) * o_row_vecs + blockIdx.x * int64_t(blockDim.x) +
+                   threadIdx.x; i < rows * o_row_vecs; i += step)
     o[i] = make_uint4(0, 0, 0, 0);
 }
 
@@ -37,7 +85,7 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
                    ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::S32> cu,
                    ffi::Buffer<ffi::S32> page_table, ffi::Result<ffi::AnyBuffer> o,
                    ffi::ResultBuffer<ffi::F32> lse, ffi::ResultBuffer<ffi::S32> meta,
-                   float scale) {
+                   ffi::Result<ffi::AnyBuffer> keys, float scale) {
   if (!g_fa3)
     return ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                       "kj_fa3: bf16 attention with head_dim 128 runs FlashAttention-3 on CUDA "
@@ -46,28 +94,35 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
                       "libkj_fa3.so built so");
   auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_table.dimensions();
   if (q.element_type() != ffi::BF16 || kv.element_type() != ffi::BF16 || qd.size() != 3 ||
-      qd[2] != 128 || kd.size() != 5 || kd[1] != 16 || kd[2] != 2 || kd[4] != 128 ||
+      qd[2] != 128 || kd.size() != 5 || kd[1] != kPage || kd[2] != 2 || kd[4] != 128 ||
       pd.size() != 2 || qd[1] % kd[3] != 0 || cu.element_count() != pd[0] + 1)
     return ffi::Error::InvalidArgument(
         "kj_fa3: takes bf16 q [rows, heads, 128], kv [pages, 16, 2, kv_heads, 128], "
         "page_table [seqs, width], cu_seqlens [seqs + 1]");
-  const int seqs = int(pd[0]);
-  if (meta->element_count() != KjFa3MetaInts(seqs) + seqs)
+  const int seqs = int(pd[0]), width = int(pd[1]);
+  const int64_t key_rows = KjFa3KeyRows(seqs, width, kd[0]);
+  const int64_t row_vecs = 2 * kd[3] * 128 * 2 / 16, o_row_vecs = qd[1] * 128 * 2 / 16;
+  if (meta->element_count() != KjFa3MetaInts(seqs) + 2 * seqs + 1 ||
+      keys->size_bytes() != size_t(key_rows * row_vecs * 16))
     return ffi::Error::InvalidArgument("kj_fa3: scratch of the wrong size");
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   int32_t* used = meta->typed_data() + KjFa3MetaInts(seqs);
-  const int64_t row_vecs = qd[1] * qd[2] * 2 / 16;
-  Fa3Prologue<<<64, 256, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, used,
-                                      static_cast<uint4*>(o->untyped_data()), row_vecs, qd[0]);
+  int32_t* cu_keys = used + seqs;
+  Fa3Offsets<<<1, 32, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, used, cu_keys,
+                                   key_rows);
+  Fa3Gather<<<int(key_rows / kPage), 256, 0, stream>>>(
+      static_cast<const uint4*>(kv.untyped_data()), page_table.typed_data(), width, used,
+      cu_keys, seqs, static_cast<uint4*>(keys->untyped_data()), row_vecs, cu.typed_data(),
+      static_cast<uint4*>(o->untyped_data()), o_row_vecs, qd[0]);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("kj_fa3: ") + cudaGetErrorString(err));
-  KjFa3Args a{KJ_FA3_VERSION, kv.untyped_data(), q.untyped_data(), o->untyped_data(),
-              lse->typed_data(), cu.typed_data(), used, page_table.typed_data(),
-              meta->typed_data(), int(qd[0]), seqs, int(pd[1]), int(kd[0]), int(qd[1]),
-              int(kd[3]), sms, scale, stream};
+  KjFa3Args a{KJ_FA3_VERSION, keys->untyped_data(), q.untyped_data(), o->untyped_data(),
+              lse->typed_data(), cu.typed_data(), cu_keys, used, meta->typed_data(),
+              int(qd[0]), seqs, width * kPage, int(key_rows), int(qd[1]), int(kd[3]), sms,
+              scale, stream};
   const int rc = g_fa3(&a);
   if (rc != 0)
     return ffi::Error::Internal("kj_fa3: FlashAttention-3 returned " + std::to_string(rc) +
@@ -106,5 +161,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(KjFa3Cuda, Fa3Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()   // page_table
                                   .Ret<ffi::AnyBuffer>()          // o
                                   .Ret<ffi::Buffer<ffi::F32>>()   // lse (scratch)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // scheduler metadata, key counts
+                                  .Ret<ffi::Buffer<ffi::S32>>()   // scheduler metadata, offsets
+                                  .Ret<ffi::AnyBuffer>()          // the keys gathered (scratch)
                                   .Attr<float>("scale"));

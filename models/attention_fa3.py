@@ -2,16 +2,19 @@
 
 FlashAttention-3 (github.com/Dao-AILab/flash-attention, `hopper/`) is a public library this
 repository does not hold: `scripts/fa3` builds the one instantiation kernjax runs (csrc/fa3/glue.cu:
-varlen queries, pages of 16 read without TMA, causal, no split of the keys) into
-build/fa3/libkj_fa3.so, and the XLA FFI handler `kj_fa3` (csrc/fa3.cu) calls it on XLA's stream.
-It runs 1.2-1.4x this repository's Mosaic GPU kernel (`attention_hopper`) on an H200
-(`experiments/attention.py --kernel fa3`; docs/bitwise.md).
+varlen queries and keys, causal, no split of the keys) into build/fa3/libkj_fa3.so, and the XLA
+FFI handler `kj_fa3` (csrc/fa3.cu) calls it on XLA's stream, after copying each sequence's pages
+into one contiguous run of keys (FlashAttention reads contiguous keys with TMA; pages of 16 only
+row by row, ~20 % slower). Measured on an H200: `experiments/attention.py --kernel fa3-paged`
+(docs/bitwise.md).
 
 The function is `attention.chunk_attention`'s: each sequence's rows are the last of its context
 (positions consecutive, the last at `positions[cu[s + 1] - 1]`), so FlashAttention's bottom-right
 causal mask over that many keys is the row-by-row rule. A row's bits do not depend on the item:
 the keys are not split, a tile never spans two sequences, and a block past a row's own position
-is masked to zero. Padding rows are zeroed by the handler.
+is masked to zero. Padding rows are zeroed by the handler. An item's sequences must not share
+pages (kernjax's pool never shares one): the gathered keys have room for distinct pages only,
+and the kernel stops the program if they do not fit.
 """
 
 from __future__ import annotations
@@ -38,12 +41,16 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     except ffi.ExtensionError:
         pass  # a platform that runs the program says so, naming kj_fa3
     rows, heads, d = q.shape
-    seqs = page_table.shape[0]
-    meta = 4 * (-(-seqs // 4)) + 1 + seqs  # csrc/fa3.h's KjFa3MetaInts, then the key counts
-    o, _, _ = jax.ffi.ffi_call("kj_fa3", (
+    seqs, width = page_table.shape
+    # csrc/fa3.h: the scheduler's scratch (KjFa3MetaInts), each sequence's key count, where its
+    # keys start (seqs + 1), and the keys gathered out of the pages (KjFa3KeyRows rows)
+    meta = 4 * (-(-seqs // 4)) + 1 + 2 * seqs + 1
+    key_rows = min(seqs * (-(-width * 16 // 128) * 128), kv.shape[0] * 16 + 128 * seqs)
+    o, _, _, _ = jax.ffi.ffi_call("kj_fa3", (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((heads, rows), jnp.float32),
-        jax.ShapeDtypeStruct((meta,), jnp.int32)))(
+        jax.ShapeDtypeStruct((meta,), jnp.int32),
+        jax.ShapeDtypeStruct((key_rows, *kv.shape[2:]), kv.dtype)))(
             kv, q, positions.astype(jnp.int32), cu_seqlens.astype(jnp.int32),
             page_table.astype(jnp.int32), scale=np.float32(scale))
     return o

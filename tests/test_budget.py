@@ -30,11 +30,15 @@ def test_size_budget():
     # of two checkpoints in one pipeline, a checkpoint changed since its cut, text that is not
     # UTF-8 in a flag file or --prompt, negative seeds, unwritable --save/--png/--out; token
     # ids in ASCII digits only, timeline lines that do not parse said, the weights verb required.
-    assert _lines("kernjax/**/*.py") < 5570
+    # +30 on 2026-12-01 (sixteenth session): FlashAttention-3's library found and loaded beside
+    # the extension (ffi.fa3_path), its absence said where a program needs it.
+    assert _lines("kernjax/**/*.py") < 5600
     # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
     # edge ops hold/recv/push/post (~500, CPU and CUDA), NCCL loaded at run time and device
-    # slots for CUDA IPC (~200).
-    assert _lines("csrc/*") < 1600
+    # slots for CUDA IPC (~200). kj_fa3 (~230, 2026-12-01): bf16 attention through
+    # FlashAttention-3, a library built outside (scripts/fa3), with the gather of the pages into
+    # contiguous keys it reads with TMA; csrc/fa3/glue.cu, compiled only against it, is not here.
+    assert _lines("csrc/*") < 1800
 
 
 def test_kernjax_holds_no_model_knowledge():

@@ -1,38 +1,38 @@
 // The one FlashAttention-3 instantiation kernjax runs (csrc/fa3.h): forward, sm90, bf16, head_dim
-// 128, causal, varlen queries, paged keys and values (pages of 16: its non-TMA path, which packs
-// a KV head's query heads into one tile), no split of the keys (a row's bits do not depend on the
-// item), and the persistent scheduler's metadata prepared on the device. Compiled only by
-// scripts/fa3, against a flash-attention checkout; never by setup.py.
+// 128, causal, varlen queries and keys (contiguous, read with TMA), no split of the keys (a row's
+// bits do not depend on the item), one query head per tile, and the persistent scheduler's
+// metadata prepared on the device. Compiled only by scripts/fa3, against a flash-attention
+// checkout; never by setup.py.
 #include "flash_fwd_launch_template.h"
 
 #include "../fa3.h"
 
-extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen_paged(const KjFa3Args* a) {
+extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen(const KjFa3Args* a) {
   if (a->version != KJ_FA3_VERSION) return 3;
-  constexpr int D = 128, PAGE = 16;
+  constexpr int D = 128;
   Flash_fwd_params p = {};
   p.is_bf16 = true;
   p.q_ptr = const_cast<void*>(a->q);
-  p.k_ptr = const_cast<void*>(a->kv);
-  p.v_ptr = static_cast<char*>(const_cast<void*>(a->kv)) + a->kv_heads * D * 2;  // bf16
+  p.k_ptr = const_cast<void*>(a->keys);
+  p.v_ptr = static_cast<char*>(const_cast<void*>(a->keys)) + a->kv_heads * D * 2;  // bf16
   p.q_row_stride = a->heads * D;
   p.q_head_stride = D;
   p.k_row_stride = p.v_row_stride = 2 * a->kv_heads * D;
   p.k_head_stride = p.v_head_stride = D;
-  p.k_batch_stride = p.v_batch_stride = int64_t(PAGE) * 2 * a->kv_heads * D;  // one page
   p.v_dim_stride = 1;
   p.o_ptr = a->o;
   p.o_row_stride = a->heads * D;
   p.o_head_stride = D;
   p.softmax_lse_ptr = a->lse;
   p.cu_seqlens_q = const_cast<int*>(a->cu_seqlens);
+  p.cu_seqlens_k = const_cast<int*>(a->cu_keys);
   p.seqused_k = const_cast<int*>(a->seqused_k);
   p.b = p.b_k = a->seqs;
   p.h = a->heads;
   p.h_k = a->kv_heads;
   p.seqlen_q = p.total_q = a->rows;
-  p.seqlen_k = a->width * PAGE;
-  p.total_k = a->seqs * PAGE;
+  p.seqlen_k = a->max_keys;
+  p.total_k = a->key_rows;
   p.seqlen_q_rounded = (a->rows + 127) / 128 * 128;
   p.seqlen_k_rounded = (p.seqlen_k + 127) / 128 * 128;
   p.d = p.d_rounded = p.dv = p.dv_rounded = D;
@@ -42,12 +42,9 @@ extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen_paged(const 
   p.is_causal = true;
   p.window_size_left = p.seqlen_k - 1;
   p.window_size_right = 0;
-  p.page_table = const_cast<int*>(a->page_table);
-  p.page_table_batch_stride = a->width;
-  p.page_size = PAGE;
-  p.num_pages = a->pages;
+  p.page_size = 1;
   p.num_splits = 1;
-  p.pack_gqa = true;
+  p.pack_gqa = false;
   p.arch = 90;
   p.num_sm = a->num_sm;
   p.prepare_varlen_pdl = a->seqs <= 992;  // flash_api.cpp's PREPARE_VARLEN_MAX_BATCHES_1CTA
@@ -62,7 +59,7 @@ extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen_paged(const 
   p.tile_count_semaphore_offset = 4 * b4;
   run_flash_fwd<90, D, D, 1, cutlass::bfloat16_t, cutlass::bfloat16_t, /*Is_causal=*/true,
                 /*Is_local=*/false, /*Has_softcap=*/false, /*Varlen=*/true,
-                /*PagedKVNonTMA=*/true, /*AppendKV=*/false, /*HasQv=*/false, /*PackGQA=*/true,
+                /*PagedKVNonTMA=*/false, /*AppendKV=*/false, /*HasQv=*/false, /*PackGQA=*/false,
                 /*Split=*/false, /*V_colmajor=*/false>(p, static_cast<cudaStream_t>(a->stream));
   return cudaGetLastError() == cudaSuccess ? 0 : 2;
 }
