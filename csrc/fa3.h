@@ -34,7 +34,8 @@ struct KjFa3Args {
 
 typedef int (*KjFa3Fn)(const KjFa3Args*);
 
-inline int KjFa3MetaInts(int seqs) { return 4 * ((seqs + 3) / 4) + 1; }
+// flash_api.cpp's layout: four vectors of round_up(seqs, 4) ints, then the tile semaphore.
+inline int KjFa3MetaInts(int seqs) { return 4 * ((seqs + 3) / 4 * 4) + 1; }
 
 // Each sequence's keys take whole blocks of 128 rows in `keys` (FlashAttention's key block), the
 // rows past its last key zeroed, so no block reads another sequence's keys or stale memory. With

@@ -44,7 +44,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     seqs, width = page_table.shape
     # csrc/fa3.h: the scheduler's scratch (KjFa3MetaInts), each sequence's key count, where its
     # keys start (seqs + 1), and the keys gathered out of the pages (KjFa3KeyRows rows)
-    meta = 4 * (-(-seqs // 4)) + 1 + 2 * seqs + 1
+    meta = 4 * (-(-seqs // 4) * 4) + 1 + 2 * seqs + 1
     key_rows = min(seqs * (-(-width * 16 // 128) * 128), kv.shape[0] * 16 + 128 * seqs)
     o, _, _, _ = jax.ffi.ffi_call("kj_fa3", (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
