@@ -23,6 +23,7 @@ from pathlib import Path
 import jax
 from jax import export
 
+from kernjax import ffi
 from kernjax.cut import Stage
 from kernjax.item import Shape
 from kernjax.trace import Slot, as_function
@@ -206,6 +207,10 @@ def _read(path: Path, m: dict) -> Artifact:
         # A Mosaic GPU kernel's host code links against a runtime library that this import
         # points XLA at; a program read back from disk, never traced here, needs it all the same.
         importlib.import_module("jax.experimental.mosaic.gpu")
+    try:  # likewise kernjax's own custom calls (kj_fa3, bf16 attention on CUDA; kj_kda)
+        ffi.register()
+    except ffi.ExtensionError:
+        pass  # a program that calls one fails naming it; one that calls none runs
     if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
         raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
                             "manifest; the artifact was changed or half-written: re-run `kernjax.cut`")

@@ -257,3 +257,21 @@ def test_cuda_mark():
     with pytest.raises(Exception, match="pinned"):
         jax.block_until_ready(ffi.mark(x, 1, slot=bad.ctypes.data))
     _assert_bitwise(jax.jit(ffi.mark)(x, jnp.int32(2)), x)
+
+
+def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
+    """A program read back from disk is never traced here, so nothing on the way registers
+    kernjax's custom calls; reading a stage does. On the H200 a stage process once failed with
+    "No FFI handler registered for kj_fa3" (bf16 attention on CUDA) without it."""
+    import subprocess
+    import sys
+
+    if not ffi.available():
+        pytest.skip("the extension is not built")
+    subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "qwen3-tiny", "--at", "2",
+                    "--out", str(tmp_path / "cut")], check=True, capture_output=True)
+    probe = ("import sys; from kernjax import stage; stage.read(sys.argv[1]); "
+             "f = sys.modules['kernjax.ffi']; print(f._registered)")
+    out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cut" / "stage1")],
+                         check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "True"
