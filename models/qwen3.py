@@ -10,8 +10,8 @@ One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequenc
 `kv.i` of `[pages, 16, 2, kv_heads, head_dim]`; `kv_write` stores the chunk's keys and values at
 `slots` (`page * 16 + offset`; an out-of-range slot drops a padding row), and `attn` reads every
 earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
-blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU, a Mosaic GPU kernel
-on CUDA GPUs for bf16, a Pallas Triton one for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
+blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU; on CUDA GPUs
+FlashAttention-3 for bf16, a Pallas Triton kernel for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
 chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
 
 The math follows `modeling_qwen3.py`: RMSNorm in f32 cast back before the weight, q/k norms over
