@@ -51,12 +51,14 @@ __global__ void Fa3Offsets(const int32_t* positions, const int32_t* cu, int seqs
 }
 
 // Block b fills the b-th 16-row slot of `keys` (its sequence found by bisection over cu_keys);
-// a row is 2 * kv_heads * 128 bf16 (`row_vecs` uint4). Then every block zeroes its share of the
-// output's padding rows.
-__global__ void Fa3Gather(const uint4* kv, const int32_t* page_table, int width,
-                          const int32_t* used, const int32_t* cu_keys, int seqs, uint4* keys,
-                          int64_t row_vecs, const int32_t* cu, uint4* o, int64_t o_row_vecs,
-                          int64_t rows) {
+// a row is 2 * kv_heads * 128 bf16 (`row_vecs` uint4). Each thread loads its column of all 16
+// rows before it stores any (16 loads in flight: a copy bound by memory, not by latency). Then
+// every block zeroes its share of the output's padding rows.
+__global__ void Fa3Gather(const uint4* __restrict__ kv, const int32_t* __restrict__ page_table,
+                          int width, const int32_t* __restrict__ used,
+                          const int32_t* __restrict__ cu_keys, int seqs, uint4* __restrict__ keys,
+                          int64_t row_vecs, const int32_t* __restrict__ cu,
+                          uint4* __restrict__ o, int64_t o_row_vecs, int64_t rows) {
   const int64_t first = int64_t(blockIdx.x) * kPage;
   if (first < cu_keys[seqs]) {
     int lo = 0, hi = seqs - 1;  // the last s with cu_keys[s] <= first
@@ -65,14 +67,17 @@ __global__ void Fa3Gather(const uint4* kv, const int32_t* page_table, int width,
       if (cu_keys[mid] <= first) lo = mid; else hi = mid - 1;
     }
     const int64_t j = (first - cu_keys[lo]) / kPage;  // the sequence's page
-    const int n = used[lo];
-    const uint4* src = kv + int64_t(j * kPage < n ? page_table[int64_t(lo) * width + j] : 0) *
+    const int keys_here = used[lo] - int(j) * kPage;  // rows of this slot that hold keys
+    const uint4* src = kv + int64_t(keys_here > 0 ? page_table[int64_t(lo) * width + j] : 0) *
                                 kPage * row_vecs;
     uint4* dst = keys + first * row_vecs;
-    for (int r = 0; r < kPage; ++r) {
-      const bool key = j * kPage + r < n;
-      for (int64_t i = r * row_vecs + threadIdx.x; i < (r + 1) * row_vecs; i += blockDim.x)
-        dst[i] = key ? src[i] : make_uint4(0, 0, 0, 0);
+    for (int64_t c = threadIdx.x; c < row_vecs; c += blockDim.x) {
+      uint4 v[kPage];
+#pragma unroll
+      for (int r = 0; r < kPage; ++r)
+        v[r] = r < keys_here ? src[r * row_vecs + c] : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int r = 0; r < kPage; ++r) dst[r * row_vecs + c] = v[r];
     }
   }
   const int64_t step = int64_t(gridDim.x) * blockDim.x;
