@@ -159,7 +159,12 @@ fi
 python -c 'import kernjax.ffi as f; f.register(); print("extension cuda:", f.has_cuda(),
   "| FlashAttention-3:", f._extension().fa3_loaded() and f.fa3_path())' 2>&1 | say
 # bf16 attention runs FlashAttention-3 (scripts/fa3 builds it here; no network there): carry it
-# with `run`'s carry=["build/fa3"]; without it every bf16 qwen3 program fails, saying so.
+# with `run`'s carry=["build/fa3/libkj_fa3.so"]. Without it every bf16 qwen3 program fails, so
+# the call stops here rather than spend its minutes on failures (NO_FA3=1 goes on regardless).
+if [ -z "${NO_FA3:-}" ] && ! python -c 'import kernjax.ffi as f; f.register(); assert f._extension().fa3_loaded()' 2>/dev/null; then
+  echo "FlashAttention-3 is not loaded: build it with scripts/fa3 and carry build/fa3/libkj_fa3.so" | say
+  exit 1
+fi
 
 for step in "$@"; do
   case $step in
