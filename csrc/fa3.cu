@@ -1,5 +1,5 @@
 // kj_fa3, CUDA: the bf16 attention call through FlashAttention-3 (fa3.h), on XLA's stream:
-//   1. Fa3Offsets (one block): each sequence's key count (its last row's position + 1; 0 for an
+//   1. Fa3Offsets (one block, a scan): each sequence's key count (its last row's position + 1; 0 for an
 //      empty one) and where its keys start in `keys` (whole blocks of 128 rows each);
 //   2. Fa3Gather: each sequence's pages copied there in order, rows past its keys zeroed, and
 //      the item's padding rows past cu_seqlens[seqs] zeroed in the output (FlashAttention does
@@ -16,6 +16,7 @@
 #include <string>
 
 #include <cuda_runtime_api.h>
+#include <cub/block/block_scan.cuh>
 
 #include "fa3.h"
 #include "xla/ffi/api/ffi.h"
@@ -30,28 +31,50 @@ std::mutex g_fa3_mu;
 
 constexpr int kPage = 16;
 
-// used[s], cu_keys[0..seqs] (rows, multiples of 128); traps if they pass the scratch, which only
-// pages shared between an item's sequences could make happen.
-__global__ void Fa3Offsets(const int32_t* positions, const int32_t* cu, int seqs, int32_t* used,
-                           int32_t* cu_keys, int64_t key_rows) {
-  if (threadIdx.x != 0) return;
-  int64_t at = 0;
-  for (int s = 0; s < seqs; ++s) {
-    const int32_t n = cu[s + 1] > cu[s] ? positions[cu[s + 1] - 1] + 1 : 0;
-    used[s] = n;
-    cu_keys[s] = int32_t(at);
-    at += (n + 127) / 128 * 128;
+constexpr int kScan = 256;
+
+// used[s], cu_keys[0..seqs] (rows, multiples of 128), one block scanning kScan sequences at a
+// time. Traps (after saying why) on a position past the page table or keys past the scratch:
+// an item built wrong, or sequences that share pages.
+__global__ void Fa3Offsets(const int32_t* __restrict__ positions, const int32_t* __restrict__ cu,
+                           int seqs, int width, int32_t* __restrict__ used,
+                           int32_t* __restrict__ cu_keys, int64_t key_rows) {
+  using Scan = cub::BlockScan<int64_t, kScan>;
+  __shared__ typename Scan::TempStorage scan;
+  __shared__ int64_t carry;
+  if (threadIdx.x == 0) carry = 0;
+  __syncthreads();
+  for (int s0 = 0; s0 < seqs; s0 += kScan) {
+    const int s = s0 + int(threadIdx.x);
+    int64_t n = 0;
+    if (s < seqs && cu[s + 1] > cu[s]) n = int64_t(positions[cu[s + 1] - 1]) + 1;
+    if (n > int64_t(width) * kPage) {
+      printf("kj_fa3: sequence %d reaches key %lld, past its page table's %lld\n", s,
+             (long long)n, (long long)width * kPage);
+      __trap();
+    }
+    int64_t at, total;
+    Scan(scan).ExclusiveSum((n + 127) / 128 * 128, at, total);
+    if (s < seqs) {
+      used[s] = int32_t(n);
+      cu_keys[s] = int32_t(carry + at);
+    }
+    __syncthreads();  // every thread has read carry
+    if (threadIdx.x == 0) carry += total;
+    __syncthreads();
   }
-  cu_keys[seqs] = int32_t(at);
-  if (at > key_rows) {
-    printf("kj_fa3: the item's keys take %lld rows, past the %lld its pages allow: two of its "
-           "sequences share pages\n", (long long)at, (long long)key_rows);
-    __trap();
+  if (threadIdx.x == 0) {
+    cu_keys[seqs] = int32_t(carry);
+    if (carry > key_rows) {
+      printf("kj_fa3: the item's keys take %lld rows, past the %lld its pages allow: two of its "
+             "sequences share pages\n", (long long)carry, (long long)key_rows);
+      __trap();
+    }
   }
 }
 
-// Block b fills the b-th 16-row slot of `keys` (its sequence found by bisection over cu_keys);
-// a row is 2 * kv_heads * 128 bf16 (`row_vecs` uint4). Each thread loads its column of all 16
+// Block b fills 16-row slots b, b + grid, .. of `keys` (each one's sequence found by bisection
+// over cu_keys); a row is 2 * kv_heads * 128 bf16 (`row_vecs` uint4). Each thread loads its column of all 16
 // rows before it stores any (16 loads in flight: a copy bound by memory, not by latency). Then
 // every block zeroes its share of the output's padding rows.
 __global__ void Fa3Gather(const uint4* __restrict__ kv, const int32_t* __restrict__ page_table,
@@ -59,8 +82,8 @@ __global__ void Fa3Gather(const uint4* __restrict__ kv, const int32_t* __restric
                           const int32_t* __restrict__ cu_keys, int seqs, uint4* __restrict__ keys,
                           int64_t row_vecs, const int32_t* __restrict__ cu,
                           uint4* __restrict__ o, int64_t o_row_vecs, int64_t rows) {
-  const int64_t first = int64_t(blockIdx.x) * kPage;
-  if (first < cu_keys[seqs]) {
+  for (int64_t first = int64_t(blockIdx.x) * kPage; first < cu_keys[seqs];
+       first += int64_t(gridDim.x) * kPage) {
     int lo = 0, hi = seqs - 1;  // the last s with cu_keys[s] <= first
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
@@ -107,17 +130,27 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
   const int seqs = int(pd[0]), width = int(pd[1]);
   const int64_t key_rows = KjFa3KeyRows(seqs, width, kd[0]);
   const int64_t row_vecs = 2 * kd[3] * 128 * 2 / 16, o_row_vecs = qd[1] * 128 * 2 / 16;
-  if (meta->element_count() != KjFa3MetaInts(seqs) + 2 * seqs + 1 ||
+  if (positions.element_count() != qd[0] || o->element_count() != q.element_count() ||
+      o->element_type() != ffi::BF16 || lse->element_count() != qd[0] * qd[1] ||
+      meta->element_count() != KjFa3MetaInts(seqs) + 2 * seqs + 1 ||
       keys->size_bytes() != size_t(key_rows * row_vecs * 16))
-    return ffi::Error::InvalidArgument("kj_fa3: scratch of the wrong size");
+    return ffi::Error::InvalidArgument("kj_fa3: operands or scratch of the wrong size");
+  if (qd[0] == 0) return ffi::Error::Success();
+  if (seqs == 0 || width == 0) {  // no keys: every row is padding
+    cudaError_t err = cudaMemsetAsync(o->untyped_data(), 0, o->size_bytes(), stream);
+    return err == cudaSuccess ? ffi::Error::Success()
+                              : ffi::Error::Internal(std::string("kj_fa3: ") +
+                                                     cudaGetErrorString(err));
+  }
   int device = 0, sms = 0;
   cudaGetDevice(&device);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   int32_t* used = meta->typed_data() + KjFa3MetaInts(seqs);
   int32_t* cu_keys = used + seqs;
-  Fa3Offsets<<<1, 32, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, used, cu_keys,
-                                   key_rows);
-  Fa3Gather<<<int(key_rows / kPage), 256, 0, stream>>>(
+  Fa3Offsets<<<1, kScan, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, width, used,
+                                      cu_keys, key_rows);
+  const int64_t slots = key_rows / kPage;
+  Fa3Gather<<<int(slots < 8 * sms ? slots : 8 * sms), 256, 0, stream>>>(
       static_cast<const uint4*>(kv.untyped_data()), page_table.typed_data(), width, used,
       cu_keys, seqs, static_cast<uint4*>(keys->untyped_data()), row_vecs, cu.typed_data(),
       static_cast<uint4*>(o->untyped_data()), o_row_vecs, qd[0]);

@@ -10,9 +10,10 @@ padding rows written as zeros.
 
 Every route follows the same rules, so that its cost follows the context the item's sequences
 have, not the page table's width, and a row's bits do not depend on what else its item holds:
-keys are visited in blocks aligned to key 0, in order, with an online softmax; the loop stops at
-the last block any row needs, and a block past a row's own position is an exact no-op for it (its
-probabilities are 0 and its running maximum does not move). No score matrix is ever whole.
+keys are visited in blocks aligned to key 0 (in order; FlashAttention-3 from the last block
+down), with an online softmax, up to the last block any row of the tile needs; a block past a
+row's own position is an exact no-op for it (its probabilities are 0 and its running maximum
+does not move, or stays -inf until a key is visible). No score matrix is ever whole.
 
 Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
 id, are the same everywhere): on CUDA GPUs FlashAttention-3 through the FFI handler `kj_fa3`

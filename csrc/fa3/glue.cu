@@ -2,8 +2,15 @@
 // 128, causal, varlen queries and keys (contiguous, read with TMA), no split of the keys (a row's
 // bits do not depend on the item), one query head per tile, and the persistent scheduler's
 // metadata prepared on the device. Compiled only by scripts/fa3, against a flash-attention
-// checkout; never by setup.py.
+// checkout; never by setup.py. FlashAttention's own checks end the process (exit(1)) on a CUDA
+// error; the return codes are for what is left.
 #include "flash_fwd_launch_template.h"
+
+// Without it CUTLASS compiles the main kernel's wait for the prepare kernel (launched after it
+// with programmatic dependent launch) to nothing: the scheduler could read its metadata unwritten.
+#ifndef CUTLASS_ENABLE_GDC_FOR_SM90
+#error "build with -DCUTLASS_ENABLE_GDC_FOR_SM90 (scripts/fa3 does)"
+#endif
 
 #include "../fa3.h"
 
