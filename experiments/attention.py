@@ -22,8 +22,8 @@ backend, and `jax.nn.dot_product_attention(implementation="cudnn")`, whose `is_c
 top-left aligned and so right only for the square case (its chunk cases are skipped). They
 read no page table; they say what a vendor kernel reaches on this GPU at the same moment.
 `--kernel fa3` adds FlashAttention-3's forward (causal, dense, one sequence; bottom-right aligned
-like the chunk), built by `scripts/fa3` (with kernjax's own route) and found at
-`$KERNJAX_FA3_LIB` (default `build/fa3/libkj_fa3.so`).
+like the chunk), built by `scripts/fa3` with kernjax's own route and found where `kj_fa3` finds
+it (`kernjax.ffi.fa3_path()`).
 
     python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
@@ -109,7 +109,8 @@ def anchor_fn(kernel, scale, c, k):
     fa3 = kernel == "fa3"
     if fa3:  # q [C, H, D], k and v [K, KV, D], o like q: FlashAttention's own layout
         import ctypes
-        lib = ctypes.CDLL(os.environ.get("KERNJAX_FA3_LIB", "build/fa3/libkj_fa3.so"))
+        from kernjax import ffi
+        lib = ctypes.CDLL(str(ffi.fa3_path()))  # scripts/fa3's library, as kj_fa3 finds it
         semaphore = torch.zeros(1, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count
         gather = jax.jit(lambda *x: dense(k, *x))
@@ -240,8 +241,9 @@ def main():
         configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
-    if a.interpret and any(kn in ANCHORS for kn in kernels):
-        ap.error("--interpret: the anchors (torch-*, jax-cudnn, fa3) run on a GPU only")
+    if a.interpret and any(kn in ANCHORS or kn == "fa3-paged" for kn in kernels):
+        ap.error("--interpret: fa3-paged and the anchors (torch-*, jax-cudnn, fa3) run on a GPU "
+                 "only")
     if any(kn.startswith("torch") or kn == "fa3" for kn in kernels):
         # before JAX takes 75 % of the GPU
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
