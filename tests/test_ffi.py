@@ -275,3 +275,20 @@ def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cut" / "stage1")],
                          check=True, capture_output=True, text=True).stdout
     assert out.strip() == "True"
+
+
+def test_the_flashattention_build_refuses_a_directory_that_is_not_a_checkout(tmp_path):
+    """`scripts/fa3` with FA or CUTLASS pointing elsewhere says which, before compiling."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    r = subprocess.run(["bash", str(repo / "scripts" / "fa3")], capture_output=True, text=True,
+                       env={**os.environ, "FA": str(tmp_path), "CUTLASS": str(tmp_path)})
+    assert r.returncode == 2 and f"FA={tmp_path} holds no hopper/" in r.stderr, r.stderr
+    (tmp_path / "hopper").mkdir()
+    (tmp_path / "hopper" / "flash_fwd_launch_template.h").write_text("")
+    r = subprocess.run(["bash", str(repo / "scripts" / "fa3")], capture_output=True, text=True,
+                       env={**os.environ, "FA": str(tmp_path), "CUTLASS": str(tmp_path)})
+    assert r.returncode == 2 and f"CUTLASS={tmp_path} holds no include/cute" in r.stderr, r.stderr
