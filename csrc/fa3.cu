@@ -26,7 +26,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 KjFa3Fn g_fa3 = nullptr;
-std::string g_fa3_error = "no library was named";
+std::string g_fa3_error = "kernjax.ffi has not tried to load it";
 std::mutex g_fa3_mu;
 
 constexpr int kPage = 16;

@@ -104,12 +104,10 @@ def fa3_path() -> Path:
 
 
 def _load_fa3(ext) -> None:
-    """Loads it when the file is there or $KERNJAX_FA3_LIB names one. Nothing fails here: a
-    program that needs it and runs without it fails, saying why it is missing and how to build
-    it (csrc/fa3.cu); everything else runs as before."""
-    path = fa3_path()
-    if path.is_file() or "KERNJAX_FA3_LIB" in os.environ:
-        ext.fa3_load(str(path))
+    """Loads it from `fa3_path()`. Nothing fails here: a program that needs it and runs without
+    it fails, saying why it did not load (no such file, say) and how to build it (csrc/fa3.cu);
+    everything else runs as before."""
+    ext.fa3_load(str(fa3_path()))
 
 
 def has_cuda() -> bool:
