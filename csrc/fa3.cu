@@ -169,6 +169,20 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
   return ffi::Error::Success();
 }
 
+auto BindFa3() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()          // kv
+      .Arg<ffi::AnyBuffer>()          // q
+      .Arg<ffi::Buffer<ffi::S32>>()   // positions
+      .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
+      .Arg<ffi::Buffer<ffi::S32>>()   // page_table
+      .Ret<ffi::AnyBuffer>()          // o
+      .Ret<ffi::Buffer<ffi::F32>>()   // lse (scratch)
+      .Ret<ffi::Buffer<ffi::S32>>()   // scheduler metadata, offsets
+      .Ret<ffi::AnyBuffer>()          // the keys gathered (scratch)
+      .Attr<float>("scale");
+}
 }  // namespace
 
 namespace kj {
@@ -189,16 +203,6 @@ bool Fa3Loaded() { return g_fa3 != nullptr; }
 
 }  // namespace kj
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(KjFa3Cuda, Fa3Impl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()          // kv
-                                  .Arg<ffi::AnyBuffer>()          // q
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // positions
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // cu_seqlens
-                                  .Arg<ffi::Buffer<ffi::S32>>()   // page_table
-                                  .Ret<ffi::AnyBuffer>()          // o
-                                  .Ret<ffi::Buffer<ffi::F32>>()   // lse (scratch)
-                                  .Ret<ffi::Buffer<ffi::S32>>()   // scheduler metadata, offsets
-                                  .Ret<ffi::AnyBuffer>()          // the keys gathered (scratch)
-                                  .Attr<float>("scale"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjFa3Cuda, Fa3Impl, BindFa3());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(KjFa3CudaGraph, Fa3Impl, BindFa3(),
+                              {ffi::Traits::kCmdBufferCompatible});

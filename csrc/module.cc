@@ -50,6 +50,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(KjRecvCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPushCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPostCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjFa3Cuda);           // fa3.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjFa3CudaGraph);
 namespace kj {
 std::string Fa3Load(const std::string& path);
 bool Fa3Loaded();
@@ -212,7 +213,8 @@ PYBIND11_MODULE(_ffi, m) {
         cuda["kj_recv"] = Encapsulate(KjRecvCuda);
         cuda["kj_push"] = Encapsulate(KjPushCuda);
         cuda["kj_post"] = Encapsulate(KjPostCuda);
-        cuda["kj_fa3"] = Encapsulate(KjFa3Cuda);
+        const char* g = std::getenv("KERNJAX_FA3_GRAPHS");  // "0": outside XLA's CUDA graphs
+        cuda["kj_fa3"] = Encapsulate(g && !std::strcmp(g, "0") ? KjFa3Cuda : KjFa3CudaGraph);
 #endif
         py::dict out;
         out["cpu"] = cpu;

@@ -227,25 +227,29 @@ def occupancy(ks: list[dict], gap_us: float = 50.0) -> dict:
     """Where the GPU's time went between the first kernel's start and the last one's end, kernels
     sorted by start: `hold_ms` in the edge ops' holds (waiting on a neighbour; on the CPU their
     thunks), `work_ms` in the others (their union: streams may overlap), `idle_ms` in none
-    (waiting for the host to launch), and the idle gaps of `gap_us` or more (count and ms)."""
+    (waiting for the host to launch), and the idle gaps of `gap_us` or more (count and ms; the
+    longest four with where they fall and the kernels on either side)."""
     if not ks:
-        return {"hold_ms": 0.0, "work_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0}
+        return {"hold_ms": 0.0, "work_ms": 0.0, "idle_ms": 0.0, "gaps": 0, "gaps_ms": 0.0,
+                "worst_gaps": []}
     hold = work = idle = gaps_ns = 0
-    gaps, end = 0, ks[0]["start_ns"]
+    gaps, end, t0, last, worst = 0, ks[0]["start_ns"], ks[0]["start_ns"], ks[0]["name"], []
     for k in ks:
         s, e = k["start_ns"], k["start_ns"] + k["ns"]
         if s > end:
             idle += s - end
             if s - end >= gap_us * 1e3:
                 gaps, gaps_ns = gaps + 1, gaps_ns + s - end
+                worst.append({"ms": (s - end) / 1e6, "at_ms": (end - t0) / 1e6,
+                              "after": last[:60], "before": k["name"][:60]})
         if e > end:
             if "HoldKernel" in k["name"] or k["name"].startswith("kj_hold"):
                 hold += e - max(s, end)
             else:
                 work += e - max(s, end)
-            end = e
+            end, last = e, k["name"]
     return {"hold_ms": hold / 1e6, "work_ms": work / 1e6, "idle_ms": idle / 1e6, "gaps": gaps,
-            "gaps_ms": gaps_ns / 1e6}
+            "gaps_ms": gaps_ns / 1e6, "worst_gaps": sorted(worst, key=lambda g: -g["ms"])[:4]}
 
 
 def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
@@ -308,6 +312,9 @@ def table(p: dict) -> str:
                         else "- | - |"))
     lines.append("kinds: " + ", ".join(f"{k} {v['ms']:.2f} ms ({v['kernels']})"
                                        for k, v in p["kinds"].items()))
+    for g in p.get("worst_gaps", []):
+        lines.append(f"idle gap {g['ms']:.3f} ms at {g['at_ms']:.2f} ms, after {g['after']}, "
+                     f"before {g['before']}")
     lines.append("top kernels:")
     lines += [f"  {t['ms']:8.3f} ms  x{t['n']:<4d} {t['call']:<16s} {t['kernel']}"
               for t in p["top_kernels"][:15]]

@@ -99,6 +99,17 @@ def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
     assert got == want * 2
 
 
+def test_profile_reports_the_longest_idle_gaps_with_their_neighbours():
+    """The GPU idle between kernels: its total, the gaps of 50 us or more, and the longest of
+    them first, with where each falls and the kernels on either side (a gap's cause)."""
+    ks = [{"start_ns": 0, "ns": 100, "name": "a"}, {"start_ns": 100_100, "ns": 10, "name": "b"},
+          {"start_ns": 100_120, "ns": 10, "name": "c"}, {"start_ns": 400_130, "ns": 5, "name": "d"}]
+    p = gpuprofile.occupancy(ks)
+    assert (p["gaps"], round(p["idle_ms"], 5), round(p["gaps_ms"], 5)) == (2, 0.40001, 0.4)
+    assert [(round(g["ms"], 3), round(g["at_ms"], 5), g["after"], g["before"])
+            for g in p["worst_gaps"]] == [(0.3, 0.10013, "c", "d"), (0.1, 0.0001, "a", "b")]
+
+
 def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     """experiments/serve_summary.py: ttft_ratio, throughput_ratio, packed_gain and slot_gain
     from load.py's results, a transfer's time and its share of the pipeline's item period, and a
