@@ -67,6 +67,12 @@
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=240 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain       (+ prefill of 8k: 438 s)
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
+# With FlashAttention-3 (seventeenth session, `769e5a4`) the test files take longer: A with
+# test_attention_pallas.py ran 97 of its 116 tests in 200 s; test_attention_pallas.py and
+# test_serve.py together ~280 s. Next: A (without pallas) ~170 s + the chains at 512 ~150 s in one
+# call; test_attention_pallas.py test_serve_link.py test_http.py test_edge.py test_kda.py
+# test_mxfp4.py (TEST_SECONDS=420, unmeasured as a group) + the chains at 64 ~130 s in another;
+# test_serve.py (~190 s) where room is left. Each chain ~25-35 s after the first (~100 s).
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
