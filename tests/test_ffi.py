@@ -259,6 +259,29 @@ def test_cuda_mark():
     _assert_bitwise(jax.jit(ffi.mark)(x, jnp.int32(2)), x)
 
 
+def test_kernjax_fa3_graphs_0_registers_the_handler_that_stays_outside_cuda_graphs():
+    """kj_fa3 is registered as a handler XLA may capture into its CUDA graphs; with
+    KERNJAX_FA3_GRAPHS=0 it is another handler (the same code, without that trait)."""
+    import os
+    import subprocess
+    import sys
+
+    if not ffi.available() or not ffi.has_cuda():
+        pytest.skip("the extension has no CUDA handlers")
+    # the handler's address less kj_mark's: the same in every process (the library moves whole)
+    probe = ("import ctypes; from kernjax import _ffi; c = _ffi.registrations()['cuda']; "
+             "get = ctypes.pythonapi.PyCapsule_GetPointer; get.restype = ctypes.c_void_p; "
+             "get.argtypes = [ctypes.py_object, ctypes.c_char_p]; "
+             "print(get(c['kj_fa3'], None) - get(c['kj_mark'], None))")
+
+    def handler(**env):
+        return subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
+                              text=True, env={**os.environ, **env}).stdout.strip()
+
+    assert handler(KERNJAX_FA3_GRAPHS="1") == handler(KERNJAX_FA3_GRAPHS="")
+    assert handler(KERNJAX_FA3_GRAPHS="0") != handler(KERNJAX_FA3_GRAPHS="1")
+
+
 def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
     """A program read back from disk is never traced here, so nothing on the way registers
     kernjax's custom calls; reading a stage does. On the H200 a stage process once failed with

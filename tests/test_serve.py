@@ -276,6 +276,7 @@ def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path
     stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights", str(other))
     try:
         head.wait_for("their tensors differ", 60)
+        stage.wait_for("start every stage with --weights ", 30)  # the refusal reaches the stage
         text = head.text() + stage.text()
         assert f"stage 1 runs the weights of `{other}`" in text, text
         assert "start every stage with --weights " in stage.text(), text
