@@ -91,8 +91,8 @@ def register() -> None:
     for key, targets in ext.registrations().items():
         for name, capsule in targets.items():
             jax.ffi.register_ffi_target(name, capsule, platform=_PLATFORMS[key])
-    if ext.has_cuda():
-        _load_fa3(ext)
+    if ext.has_cuda():  # never fails here: a program that needs kj_fa3 and runs without it
+        ext.fa3_load(str(fa3_path()))  # fails, saying why it did not load and how to build it
     _registered = True
 
 
@@ -101,13 +101,6 @@ def fa3_path() -> Path:
     beside the package (scripts/fa3 writes it there)."""
     env = os.environ.get("KERNJAX_FA3_LIB")
     return Path(env) if env else Path(__file__).resolve().parent.parent / FA3_LIB
-
-
-def _load_fa3(ext) -> None:
-    """Loads it from `fa3_path()`. Nothing fails here: a program that needs it and runs without
-    it fails, saying why it did not load (no such file, say) and how to build it (csrc/fa3.cu);
-    everything else runs as before."""
-    ext.fa3_load(str(fa3_path()))
 
 
 def has_cuda() -> bool:

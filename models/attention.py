@@ -20,9 +20,9 @@ id, are the same everywhere): on CUDA GPUs FlashAttention-3 through the FFI hand
 (`models/attention_fa3.py`: bf16, head_dim 128; built by `scripts/fa3`), else the Mosaic GPU
 kernel `models/attention_hopper.py` (f16, or head_dim 64: wgmma and TMA, for Hopper), else the
 Pallas Triton kernel `models/attention_pallas.py` (float32 programs, other head dims);
-`blockwise` below everywhere else. The choice within CUDA is by dtype and shape only, never by the device present, so a
-program traced without a GPU is the one that runs on it. `blockwise` is also the GPU kernels'
-reference in the tests.
+`blockwise` below everywhere else. The choice within CUDA is by dtype and shape only, never by
+the device present, so a program traced without a GPU is the one that runs on it. `blockwise` is
+also the GPU kernels' reference in the tests.
 """
 
 from __future__ import annotations
