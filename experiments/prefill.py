@@ -529,13 +529,17 @@ class Transformers:
 # -------------------------------------------------------------------------------------- setup
 
 def random_weights(fam, cfg, dtype):
-    """Every checkpoint tensor, random on the device: N(0, 0.02), norms near one (boundaries.py)."""
+    """Every checkpoint tensor, random on the device: N(0, 0.02), norms near one (boundaries.py),
+    and the weights the program derives from them at load (qwen3's fused qkv_proj)."""
     key = jax.random.key(0)
     out = {}
     for i, (name, shape) in enumerate(fam.weight_shapes(cfg)):
         x = jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) * 0.02
         out[name] = (x + 1.0 if len(shape) == 1 else x).astype(dtype)
         del x
+    for r in fam.derived(dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name)):
+        made = jax.jit(r.fn)(*(out[n] for n, _, _ in r.sources))
+        out.update(zip((n for n, _, _ in r.outputs), made if isinstance(made, tuple) else (made,)))
     jax.block_until_ready(out)
     return out
 

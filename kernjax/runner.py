@@ -72,12 +72,12 @@ def split_derived(recipes, want) -> tuple[list, list]:
 
 
 def _recipes(art: artifacts.Artifact) -> list:
-    """The derive program of the artifact's model (`derived(cfg)` of its family), if it has one."""
+    """The model's derive program (`derived(cfg)`, cfg in the artifact's dtype), if it has one."""
     model = art.manifest["model"]
     fam = importlib.import_module(f"{models.__name__}.{model['family']}")
     if not hasattr(fam, "derived"):
         return []
-    return fam.derived(fam.Config(**model["config"]))
+    return fam.derived(fam.Config(**{**model["config"], "dtype": art.dtype}))
 
 
 class Runner:

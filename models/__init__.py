@@ -3,9 +3,11 @@
 A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
 `weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `PAGE`, and
 `prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. A family whose checkpoint holds
-weights in another form than its program reads also provides `source_shapes(cfg)` (tensors kept
-in their own dtype), `random_sources(cfg, seed)` and `derived(cfg)` (the derive program,
-`kernjax/derive.py`). kernjax reaches a family only through `family()` and `named()`.
+weights in another form than its program reads also provides `derived(cfg)` (the derive program,
+`kernjax/derive.py`; a float weight it makes is in `cfg.dtype`, which the loader sets to the
+program's): qwen3 fuses q/k/v, k3 shuffles MXFP4 experts. Sources in the model's dtype are among
+`weight_shapes`; sources kept in their own dtype are `source_shapes(cfg)`, drawn by
+`random_sources(cfg, seed)`. kernjax reaches a family only through `family()` and `named()`.
 """
 
 from __future__ import annotations

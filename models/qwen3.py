@@ -5,6 +5,15 @@ Calls: `embed`, `l0.input_norm`, then twelve per layer (`qkv_proj`, `q_norm`, `k
 `next_input_norm`; the last layer's applies the final norm), then `lm_head` and `argmax`. Layer
 `i` starts at call `2 + 12 i`, so layer 18 of qwen3-4b starts at call 218, as in kern.
 
+As in kern, `qkv_proj` is one GEMM: the program reads one weight per layer,
+`self_attn.qkv_proj.weight` `[(heads + 2 kv_heads) head_dim, hidden]`, the checkpoint's
+q_proj, k_proj and v_proj stacked in that order, which `derived` makes at load
+(`kernjax/derive.py`); the checkpoint keeps the three HF tensors. The call returns one buffer
+`qkv`, and its readers slice it inside their own calls: `q_norm` its q, `k_norm` its k,
+`kv_write` its v (beside the roped k), so no slice is a buffer of its own between calls. On an
+H200 at 8192 rows the three GEMMs of qwen3-4b took 0.368 ms a layer, the one 0.330 ms (roadmap
+K6, seventh session); gate_proj and up_proj stay two weights: fused they measured no faster.
+
 One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequences, split by
 `cu_seqlens`; rows past `cu_seqlens[-1]` are padding. Each layer has its own paged KV state
 `kv.i` of `[pages, 16, 2, kv_heads, head_dim]`; `kv_write` stores the chunk's keys and values at
@@ -28,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernjax.derive import Recipe
 from kernjax.trace import Program, Slot, call, trace
 
 from .attention import chunk_attention, exact
@@ -98,7 +108,8 @@ def hf_config(cfg: Config) -> dict:
 
 
 def weight_shapes(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
-    """Every checkpoint tensor the forward reads, by HF name, in call order."""
+    """Every checkpoint tensor the forward reads or derives its weights from, by HF name, in
+    call order (the program's own list is `program_weights`)."""
     d, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
     out = [("model.embed_tokens.weight", (cfg.vocab, d))]
     for i in range(cfg.layers):
@@ -117,6 +128,32 @@ def weight_shapes(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
     out.append(("model.norm.weight", (d,)))
     if not cfg.tied:
         out.append(("lm_head.weight", (cfg.vocab, d)))
+    return out
+
+
+def program_weights(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
+    """The weights the program reads, in call order: `weight_shapes` with each layer's q_proj,
+    k_proj and v_proj replaced by their fused `qkv_proj` (`derived`)."""
+    recipes = derived(cfg)
+    fused = {r.sources[0][0]: r.outputs[0][:2] for r in recipes}  # at q_proj's place
+    drop = {n for r in recipes for n, _, _ in r.sources[1:]}
+    return [fused.get(n, (n, s)) for n, s in weight_shapes(cfg) if n not in drop]
+
+
+def derived(cfg: Config) -> list:
+    """The derive program: per layer, `self_attn.qkv_proj.weight` from the checkpoint's q_proj,
+    k_proj and v_proj (concatenated along the output rows), in `cfg.dtype`, as
+    `kernjax.derive.Recipe`s in call order."""
+    d, dt = cfg.hidden, cfg.dtype
+    rows = {s: n * cfg.head_dim for s, n in (("q", cfg.heads), ("k", cfg.kv_heads),
+                                             ("v", cfg.kv_heads))}
+    out = []
+    for i in range(cfg.layers):
+        a = f"model.layers.{i}.self_attn."
+        out.append(Recipe(
+            outputs=((a + "qkv_proj.weight", (sum(rows.values()), d), dt),),
+            sources=tuple((a + f"{s}_proj.weight", (n, d), dt) for s, n in rows.items()),
+            fn=lambda wq, wk, wv: jnp.concatenate([wq, wk, wv], axis=0)))
     return out
 
 
@@ -200,7 +237,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     pages = pages or seqs * width + 1
     dt = jnp.dtype(dtype)
     L, H, KV, D = cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim
-    inputs = [Slot(n, "weight", dt.name, s) for n, s in weight_shapes(cfg)]
+    inputs = [Slot(n, "weight", dt.name, s) for n, s in program_weights(cfg)]
     inputs += [Slot(f"kv.{i}", "state", dt.name, (pages, PAGE, 2, KV, D)) for i in range(L)]
     inputs += [Slot("tokens", "fill", "int32", (rows,)), Slot("positions", "fill", "int32", (rows,)),
                Slot("slots", "fill", "int32", (rows,)),
@@ -211,12 +248,15 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     eps, scale = cfg.eps, 1.0 / math.sqrt(D)
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
 
-    def qkv_proj(a, wq, wk, wv):
-        return (linear(a, wq).reshape(rows, H, D), linear(a, wk).reshape(rows, KV, D),
-                linear(a, wv).reshape(rows, KV, D))
+    def qkv_proj(a, w):
+        return linear(a, w)
 
-    def head_norm(x, w):
-        return rms(x, w, eps)
+    # q, k and v are column ranges of qkv: [q | k | v], heads * D, KV * D and KV * D wide.
+    def q_norm(qkv, w):
+        return rms(qkv[:, : H * D].reshape(rows, H, D), w, eps)
+
+    def k_norm(qkv, w):
+        return rms(qkv[:, H * D: (H + KV) * D].reshape(rows, KV, D), w, eps)
 
     def rope(q, k, positions):
         f = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
@@ -229,9 +269,10 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
 
         return rot(q), rot(k)
 
-    def kv_write(kv, k, v, slots):
+    def kv_write(kv, k, qkv, slots):
         # Slots are distinct (kernjax.item), so the scatters promise unique indices: a GPU
         # stores each row once, no atomics. K and V go separately: no stacked copy.
+        v = qkv[:, (H + KV) * D:].reshape(rows, KV, D)
         flat = kv.reshape(pages * PAGE, 2, KV, D)
         flat = flat.at[slots, 0].set(k, mode="drop", unique_indices=True)
         flat = flat.at[slots, 1].set(v, mode="drop", unique_indices=True)
@@ -257,12 +298,11 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         new = {}
         for i in range(L):
             p, c = f"layers.{i}.", f"l{i}."
-            q, k, v = call(c + "qkv_proj", qkv_proj)(
-                a, W(p + "self_attn.q_proj"), W(p + "self_attn.k_proj"), W(p + "self_attn.v_proj"))
-            q = call(c + "q_norm", head_norm)(q, W(p + "self_attn.q_norm"))
-            k = call(c + "k_norm", head_norm)(k, W(p + "self_attn.k_norm"))
+            qkv = call(c + "qkv_proj", qkv_proj)(a, W(p + "self_attn.qkv_proj"))
+            q = call(c + "q_norm", q_norm)(qkv, W(p + "self_attn.q_norm"))
+            k = call(c + "k_norm", k_norm)(qkv, W(p + "self_attn.k_norm"))
             q, k = call(c + "rope", rope)(q, k, x["positions"])
-            kv = call(c + "kv_write", kv_write, state=1)(x[f"kv.{i}"], k, v, x["slots"])
+            kv = call(c + "kv_write", kv_write, state=1)(x[f"kv.{i}"], k, qkv, x["slots"])
             o = call(c + "attn", attn)(kv, q, x["positions"], x["cu_seqlens"], x["page_table"])
             y = call(c + "o_proj", o_proj)(o, W(p + "self_attn.o_proj"))
             m, h = call(c + "post_attn_norm", add_norm_)(y, h, W(p + "post_attention_layernorm"))

@@ -123,3 +123,24 @@ def test_logits_match_transformers(ckpt, pipeline, rows, k, record_property):
     assert compared and compared[-1] == len(tokens) - 1, compared
     assert not errs, (f"prompt of {len(tokens)} tokens, chunks of {rows} rows (worst "
                       f"{worst:.3g}):\n" + "\n".join(errs))
+
+
+def test_the_program_reads_q_k_v_as_one_weight_derived_at_load(ckpt, pipeline):
+    """qwen3's `qkv_proj` is one GEMM (kern's layout): each layer's one weight is the
+    checkpoint's q_proj, k_proj and v_proj stacked, and the checkpoint holds only those three."""
+    fam, cfg = models.named(MODEL)
+    program = fam.program(cfg, dtype=DTYPE, rows=CHUNKS[0], context=CONTEXT)
+    for i in range(cfg.layers):  # one product, returning one buffer
+        call = program.jaxpr.eqns[program.calls.index(f"l{i}.qkv_proj")]
+        assert (str(call).count("dot_general"), len(call.outvars)) == (1, 1), i
+    bound = pipeline(CHUNKS[0]).runners[0].weights
+    shapes = dict(fam.weight_shapes(cfg))
+    assert not any("qkv_proj" in n for n in shapes)
+    assert not any(n.endswith((".q_proj.weight", ".k_proj.weight", ".v_proj.weight"))
+                   for n in bound)
+    for i in range(cfg.layers):
+        a = f"model.layers.{i}.self_attn."
+        want = [a + f"{s}_proj.weight" for s in "qkv"]
+        hf = weights.load(ckpt, [(n, shapes[n], DTYPE) for n in want], progress=False)
+        fused = np.asarray(bound[a + "qkv_proj.weight"])
+        assert np.array_equal(fused, np.concatenate([hf[n] for n in want])), i
