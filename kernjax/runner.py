@@ -175,6 +175,8 @@ class Runner:
                 self.states[s.name] = v
             else:
                 outputs[s.name] = v
+        if "next_token" in outputs:  # to the host as soon as the device has it, no round trip
+            outputs["next_token"].copy_to_host_async()
         return outputs
 
     def _args(self, item: Mapping[str, np.ndarray]) -> list:
