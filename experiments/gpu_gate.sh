@@ -176,11 +176,12 @@ for step in "$@"; do
   case $step in
   tests)
     log "tests on the GPU"
-    timeout "${TEST_SECONDS:-900}" python -m pytest -q -rs ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
+    # SIGINT at the limit: pytest then prints the failures so far (TERM lost them once)
+    timeout -s INT -k 60 "${TEST_SECONDS:-900}" python -m pytest -q -rfEs ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
       tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py} > "$OUT/logs/tests.log" 2>&1
     rc=$?
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
-    [ $rc = 124 ] && echo "tests: killed after ${TEST_SECONDS:-900} s" | say ;;
+    [ $rc = 124 ] && echo "tests: stopped after ${TEST_SECONDS:-900} s (the failures so far are in tests.log)" | say ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     v=${VARIANT:-hopper-mbarrier}

@@ -43,10 +43,11 @@ class Proc:
     def text(self) -> str:
         return self.log.read_text()
 
-    def wait_for(self, words: str, seconds: float = 60) -> None:
-        """Until the log says `words`, the process ends, or `seconds` pass."""
+    def wait_for(self, words: str, seconds: float = 60, times: int = 1) -> None:
+        """Until the log says `words` (`times` times), the process ends, or `seconds` pass."""
         deadline = time.time() + seconds
-        while words not in self.text() and time.time() < deadline and self.p.poll() is None:
+        while self.text().count(words) < times and time.time() < deadline and \
+                self.p.poll() is None:
             time.sleep(0.2)
 
 
@@ -520,7 +521,7 @@ def test_a_stage_that_leaves_before_the_pipeline_starts_can_join_again(cuts, tmp
         first.p.kill()
         first.p.wait(30)
         again = _joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
-        head.wait_for("stage 1 joined from", 60)
+        head.wait_for("stage 1 joined from", 60, times=2)  # the restart
         last = _joiner(cuts[3] / "stage2", pp, tmp_path / "last.log")
         head.wait_for("serving", 120)
         (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
