@@ -73,6 +73,10 @@
 # call; test_attention_pallas.py test_serve_link.py test_http.py test_edge.py test_kda.py
 # test_mxfp4.py (TEST_SECONDS=420, unmeasured as a group) + the chains at 64 ~130 s in another;
 # test_serve.py (~190 s) where room is left. Each chain ~25-35 s after the first (~100 s).
+# Measured at `9782455` (eighteenth session): test_parity, test_processes, test_cut, test_ffi and
+# test_attention reached 74 of ~80 tests in 140 s; test_serve, test_serve_link, test_http,
+# test_edge, test_kda, test_mxfp4, test_attention_hopper and 20 of test_attention_pallas's 30
+# took 500 s (164 tests). The GPU tests in full need ~700 s: three calls' worth with the chains.
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
