@@ -68,6 +68,13 @@ def _view(buf, offset: int, shape: tuple[int, ...], dtype: str):
     return jax.lax.bitcast_convert_type(raw.reshape(-1, item), dtype).reshape(shape)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _call(buf, fn, views):
+    """One derive call; compiled once per `(fn, views)`: recipes that share their function and
+    their sources' places (a layer's, with first fit) share one program."""
+    return fn(*(_view(buf, *v) for v in views))
+
+
 def run(recipes: Sequence[Recipe], read: Callable[[list], dict], *, device=None,
         align: int = 256) -> tuple[dict[str, jax.Array], Report]:
     """Runs `recipes` in order; `read(want)` returns host arrays for `[(name, shape, dtype)]`.
@@ -93,7 +100,7 @@ def run(recipes: Sequence[Recipe], read: Callable[[list], dict], *, device=None,
             host = np.ascontiguousarray(got[n]).view(np.uint8).reshape(-1)
             buf = _put(buf, jax.device_put(host, device), plan.offsets[n])
         views = tuple((plan.offsets[n], tuple(s), d) for n, s, d in r.sources)
-        res = jax.jit(lambda b, r=r, views=views: r.fn(*(_view(b, *v) for v in views)))(buf)
+        res = _call(buf, r.fn, views)
         res = res if isinstance(res, tuple | list) else (res,)
         for (n, shape, dtype), v in zip(r.outputs, res, strict=True):
             if tuple(v.shape) != tuple(shape) or str(v.dtype) != dtype:

@@ -237,7 +237,15 @@ def derived(cfg: Config) -> list:
     # bitwise the same (tests/test_mxfp4.py).
     shuffle = ffi.mxfp4_shuffle if ffi.available() else mxfp4.shuffle
     d, im, n_e = cfg.hidden, cfg.moe_intermediate, cfg.experts
-    out = []
+    def gemm1(*xs):  # w1 packed, w1 scales, w3 packed, w3 scales: n_e each
+        w1p, w1s, w3p, w3s = (jnp.stack(xs[j * n_e:(j + 1) * n_e]) for j in range(4))
+        return shuffle(jnp.concatenate([w3p, w1p], axis=-2),
+                       jnp.concatenate([w3s, w1s], axis=-2), gated=True)
+
+    def gemm2(*xs):
+        return shuffle(jnp.stack(xs[:n_e]), jnp.stack(xs[n_e:]), gated=False)
+
+    out = []  # gemm1 and gemm2 serve every layer: one derive program each
     for i in _moe_layers(cfg):
         b = f"model.layers.{i}.block_sparse_moe.experts."
 
@@ -245,14 +253,6 @@ def derived(cfg: Config) -> list:
             return [(f"{b}{e}.{w}.weight_packed", (m, k // 2), "uint8") for e in range(n_e)] + \
                    [(f"{b}{e}.{w}.weight_scale", (m, k // mxfp4.BLOCK), "uint8")
                     for e in range(n_e)]
-
-        def gemm1(*xs):  # w1 packed, w1 scales, w3 packed, w3 scales: n_e each
-            w1p, w1s, w3p, w3s = (jnp.stack(xs[j * n_e:(j + 1) * n_e]) for j in range(4))
-            return shuffle(jnp.concatenate([w3p, w1p], axis=-2),
-                           jnp.concatenate([w3s, w1s], axis=-2), gated=True)
-
-        def gemm2(*xs):
-            return shuffle(jnp.stack(xs[:n_e]), jnp.stack(xs[n_e:]), gated=False)
 
         out.append(Recipe(
             outputs=((b + "gemm1.weight_packed", (n_e, 2 * im, d // 2), "uint8"),

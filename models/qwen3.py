@@ -153,8 +153,12 @@ def derived(cfg: Config) -> list:
         out.append(Recipe(
             outputs=((a + "qkv_proj.weight", (sum(rows.values()), d), dt),),
             sources=tuple((a + f"{s}_proj.weight", (n, d), dt) for s, n in rows.items()),
-            fn=lambda wq, wk, wv: jnp.concatenate([wq, wk, wv], axis=0)))
+            fn=_fuse_qkv))
     return out
+
+
+def _fuse_qkv(wq, wk, wv):  # one function for every layer: one derive program (kernjax.derive)
+    return jnp.concatenate([wq, wk, wv], axis=0)
 
 
 def random_weight(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:

@@ -15,6 +15,7 @@ compared. The measure, per compared row, is
 which must be under 1e-4, and the argmax tokens must agree.
 """
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernjax import models
+from kernjax import derive, models
 from kernjax import stage as artifacts
 from kernjax import weights
 from kernjax.cli import model_meta
@@ -144,3 +145,15 @@ def test_the_program_reads_q_k_v_as_one_weight_derived_at_load(ckpt, pipeline):
         hf = weights.load(ckpt, [(n, shapes[n], DTYPE) for n in want], progress=False)
         fused = np.asarray(bound[a + "qkv_proj.weight"])
         assert np.array_equal(fused, np.concatenate([hf[n] for n in want])), i
+
+
+def test_the_derive_program_compiles_once_for_all_layers():
+    """Loading costs one derive program, not one per layer: the layers' recipes share their
+    function and (first fit) their sources' places, so the derive call's cache grows by one."""
+    fam, cfg = models.named(MODEL)
+    cfg = dataclasses.replace(cfg, layers=5, hidden=40)  # shapes no other test derives
+    rng = np.random.default_rng(0)
+    before = derive._call._cache_size()
+    made, report = derive.run(fam.derived(cfg), lambda want: {
+        n: rng.standard_normal(shape).astype(dtype) for n, shape, dtype in want})
+    assert (derive._call._cache_size() - before, report.calls, len(made)) == (1, 5, 5)
