@@ -2,6 +2,8 @@
 # The GPU gates and benchmarks in one device call. Steps, in the order given:
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
+#              or $TEST_GROUPS, groups of files split by ';', each its own pytest, all at once
+#              (new in `05a9a2b`'s successor, not yet run on a GPU)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
 #              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
@@ -77,6 +79,11 @@
 # test_attention reached 74 of ~80 tests in 140 s; test_serve, test_serve_link, test_http,
 # test_edge, test_kda, test_mxfp4, test_attention_hopper and 20 of test_attention_pallas's 30
 # took 500 s (164 tests). The GPU tests in full need ~700 s: three calls' worth with the chains.
+# Next: all of them in one call, at once in three groups, e.g.
+#   TEST_SECONDS=420 TEST_GROUPS="tests/test_serve.py tests/test_serve_link.py tests/test_http.py;
+#     tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;
+#     tests/test_parity.py tests/test_processes.py tests/test_cut.py tests/test_ffi.py tests/test_edge.py
+#     tests/test_kda.py tests/test_mxfp4.py" gpu_gate.sh tests
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
@@ -180,12 +187,22 @@ for step in "$@"; do
   case $step in
   tests)
     log "tests on the GPU"
-    # SIGINT at the limit: pytest then prints the failures so far (TERM lost them once)
-    timeout -s INT -k 60 "${TEST_SECONDS:-900}" python -m pytest -q -rfEs ${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py} > "$OUT/logs/tests.log" 2>&1
-    rc=$?
-    grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests.log" | tail -8 | say
-    [ $rc = 124 ] && echo "tests: stopped after ${TEST_SECONDS:-900} s (the failures so far are in tests.log)" | say ;;
+    # $TEST_GROUPS: test files in groups split by ';', one pytest each, all at once (the GPU has
+    # room and 16 cores; a group per log, tests.log, tests1.log, ...); else $TESTS in one.
+    # SIGINT at the limit: pytest then prints the failures so far (TERM lost them once).
+    IFS=';' read -ra groups <<< "${TEST_GROUPS:-${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
+      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py}}"
+    pids=()
+    for g in "${!groups[@]}"; do
+      timeout -s INT -k 60 "${TEST_SECONDS:-900}" python -m pytest -q -rfEs -p no:cacheprovider \
+        --basetemp="/tmp/kj-tests$g" ${groups[$g]} > "$OUT/logs/tests${g/#0/}.log" 2>&1 &
+      pids+=($!)
+    done
+    for g in "${!pids[@]}"; do
+      wait "${pids[$g]}"; rc=$?
+      grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests${g/#0/}.log" | tail -8 | say
+      [ $rc = 124 ] && echo "tests (group $g): stopped after ${TEST_SECONDS:-900} s (the failures so far are in its log)" | say
+    done ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     v=${VARIANT:-hopper-mbarrier}
