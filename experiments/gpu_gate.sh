@@ -3,7 +3,7 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #              or $TEST_GROUPS, groups of files split by ';', each its own pytest, all at once
-#              (new in `05a9a2b`'s successor, not yet run on a GPU)
+#              (2026-12-02; not yet run on a GPU)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
 #              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
