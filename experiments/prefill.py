@@ -274,7 +274,8 @@ class JaxSystem:
                         h.states[name] = v
                     else:
                         outs[name] = v
-        outs["next_token"].copy_to_host_async()  # as the runner does: no host round trip
+        if jax.default_backend() != "cpu":  # as the runner does: no host round trip
+            outs["next_token"].copy_to_host_async()
         jax.block_until_ready((outs, h.states))
         return int(np.asarray(outs["next_token"]).reshape(-1)[0]), outs["logits"]
 
@@ -417,7 +418,8 @@ class Plain(JaxSystem):
 
     def prefill(self, h):
         tok, logits, cache = h.parts[0](self.weights, h.items[0])
-        tok.copy_to_host_async()  # as kernjax's runner does
+        if jax.default_backend() != "cpu":  # as kernjax's runner does
+            tok.copy_to_host_async()
         jax.block_until_ready((tok, logits, cache))
         del cache
         return int(np.asarray(tok).reshape(-1)[0]), logits

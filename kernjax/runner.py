@@ -175,8 +175,8 @@ class Runner:
                 self.states[s.name] = v
             else:
                 outputs[s.name] = v
-        if "next_token" in outputs:  # to the host as soon as the device has it, no round trip
-            outputs["next_token"].copy_to_host_async()
+        if "next_token" in outputs and self.device.platform != "cpu":  # to the host when ready,
+            outputs["next_token"].copy_to_host_async()  # no round trip (on a CPU it can abort)
         return outputs
 
     def _args(self, item: Mapping[str, np.ndarray]) -> list:
