@@ -281,7 +281,7 @@ for step in "$@"; do
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
         python -m kernjax.chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \
-          > "$OUT/logs/chain-$at-$c.log" 2>&1
+          > "$OUT/logs/chain-$at-$c.log" 2>&1 || echo "kernjax.chain exited $?" >> "$OUT/logs/chain-$at-$c.log"
         grep -vE "^loading weights" "$OUT/logs/chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/$at-$c"
       done
@@ -297,7 +297,8 @@ for step in "$@"; do
           || { tail -5 "$OUT/logs/k3cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/k3cut-$at-$c.txt" | say
         python -m kernjax.chain --stages "cuts/k3-$at-$c" --prompts "$OUT/logs/k3prompts$c.txt" \
-          --chunk "$c" > "$OUT/logs/k3chain-$at-$c.log" 2>&1
+          --chunk "$c" > "$OUT/logs/k3chain-$at-$c.log" 2>&1 \
+          || echo "kernjax.chain exited $?" >> "$OUT/logs/k3chain-$at-$c.log"
         grep -vE "^loading weights" "$OUT/logs/k3chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/k3-$at-$c"
       done
