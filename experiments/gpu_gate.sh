@@ -3,7 +3,7 @@
 #
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #              or $TEST_GROUPS, groups of files split by ';', each its own pytest, all at once
-#              (2026-12-02; not yet run on a GPU)
+#              (the command below: every GPU test in 202-221 s, `7af7c58`)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
 #              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
@@ -78,8 +78,11 @@
 # Measured at `9782455` (eighteenth session): test_parity, test_processes, test_cut, test_ffi and
 # test_attention reached 74 of ~80 tests in 140 s; test_serve, test_serve_link, test_http,
 # test_edge, test_kda, test_mxfp4, test_attention_hopper and 20 of test_attention_pallas's 30
-# took 500 s (164 tests). The GPU tests in full need ~700 s: three calls' worth with the chains.
-# Next: all of them in one call, at once in three groups, e.g.
+# took 500 s (164 tests). The GPU tests in full need ~700 s in sequence. Nineteenth session (one
+# H200, `7af7c58`): all of them and the six chains in one call of 328 s, the chains beside the
+# tests (239 passed, 14 skipped; 77 / 48 / 114 in 202 / 221 / 208 s; chains 271 s): the build
+# alone (`bash gpu_gate.sh`, no step), then `OUT=$OUT/c SKIP_BUILD=1 bash gpu_gate.sh chain &`,
+# then `OUT=$OUT/t SKIP_BUILD=1` with the line below, then `wait`:
 #   TEST_SECONDS=420 TEST_GROUPS="tests/test_serve.py tests/test_serve_link.py tests/test_http.py;
 #     tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;
 #     tests/test_parity.py tests/test_processes.py tests/test_cut.py tests/test_ffi.py tests/test_edge.py
