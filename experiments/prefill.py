@@ -94,6 +94,7 @@ from kernjax.cut import cut, whole  # noqa: E402
 from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
 from kernjax.stage import export_stage  # noqa: E402
 from kernjax.trace import without_boundaries  # noqa: E402
+from kernjax import xla  # noqa: E402
 
 SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
 # The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
@@ -171,7 +172,7 @@ def _compile(fn, specs, donate=()):
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
     t1 = time.perf_counter()
     n = len(_CACHE_EVENTS)
-    compiled = lowered.compile()
+    compiled = lowered.compile(xla.compile_options())  # every JAX system: kernjax's options
     seen = _CACHE_EVENTS[n:]
     cache = "hit" if "cache_hits" in seen else "miss" if "cache_misses" in seen else "-"
     return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1, "cache": cache}
@@ -604,7 +605,7 @@ class Results:
             "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "model": cfg.name, "dtype": args.dtype, "iters": args.iters,
             "backend": jax.default_backend(), "machine": machine(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": xla.compile_options(),
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
             "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
@@ -685,6 +686,8 @@ class Results:
                     f"(attention `{d.get('transformers_attn')}`)" if d.get("torch") else "")
                  + ".",
                  f"- **XLA_FLAGS** (every JAX system, one process): `{d['xla_flags']}`; "
+                 f"compile options (`kernjax.xla.compile_options()`, each JAX program): "
+                 f"`{d.get('compile_options', {})}`; "
                  f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
                  "- **Command:**", "", "```", d["command"], "```", "",
                  "## Result", "",

@@ -108,7 +108,8 @@ class Runner:
         specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
                  for s in (*art.inputs, *art.arrivals)]
         with xla.compile_lock():
-            self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile()
+            self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile(
+                xla.compile_options())
         self.donate, self.edged = donate, None
 
     def reset(self) -> None:
@@ -166,7 +167,7 @@ class Runner:
             specs.append(jax.ShapeDtypeStruct((1,), np.int32))
             with xla.compile_lock():
                 self.edged = jax.jit(art.edged.call, donate_argnums=self.donate).lower(
-                    *specs).compile()
+                    *specs).compile(xla.compile_options())
 
     def _keep(self, out) -> dict[str, jax.Array]:
         outputs = {}

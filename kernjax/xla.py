@@ -13,6 +13,9 @@ every process of a cut, and compiled programs kept across restarts.
   slices copies too across a call boundary. Off: `--xla_disable_hlo_passes=dot-merger`.
 - **Compiled programs, kept.** JAX's persistent compilation cache (`jax/` under `cache_root()`)
   holds every program that took over a second to compile: a restarted stage loads it.
+- **No CUDA graphs for a program run and waited for** (`compile_options()`): a whole 4B
+  model's graphs cost it 2.2 ms at 8k in one chunk on an H200, outside the GPU's span
+  (2026-12-02); serving's programs keep them, for the host's issue.
 - **Serving: CUDA graphs whose temporaries stay put** (`serving()`, by `kernjax.serve`): XLA
   updates every graph node whose buffers moved before each launch, and the temporaries move every
   call; SKIP_TEMP pins them (XLA's VMM allocator, which keeps no statistics). docs/serving.md.
@@ -56,6 +59,15 @@ def configure() -> None:
 
     if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+
+
+def compile_options() -> dict:
+    """A program's own options: no CUDA graphs on a GPU unless serving (`serving()`) or XLA_FLAGS
+    chose; they cost a whole program ~2 ms before its token (docs/bitwise.md)."""
+    import jax
+    if jax.default_backend() != "gpu" or "command_buffer" in os.environ.get("XLA_FLAGS", ""):
+        return {}
+    return {"xla_gpu_enable_command_buffer": ""}
 
 
 def serving() -> None:

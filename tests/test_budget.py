@@ -31,8 +31,9 @@ def test_size_budget():
     # UTF-8 in a flag file or --prompt, negative seeds, unwritable --save/--png/--out; token
     # ids in ASCII digits only, timeline lines that do not parse said, the weights verb required.
     # +30 on 2026-12-01 (sixteenth session): FlashAttention-3's library found and loaded beside
-    # the extension (ffi.fa3_path), its absence said where a program needs it.
-    assert _lines("kernjax/**/*.py") < 5600
+    # the extension (ffi.fa3_path), its absence said where a program needs it. +15 on 2026-12-02
+    # (nineteenth session): a program run and waited for compiles without CUDA graphs.
+    assert _lines("kernjax/**/*.py") < 5615
     # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
     # edge ops hold/recv/push/post (~500, CPU and CUDA), NCCL loaded at run time and device
     # slots for CUDA IPC (~200). kj_fa3 (~230, 2026-12-01): bf16 attention through

@@ -558,3 +558,23 @@ def test_serving_pins_the_temporaries_before_jax_makes_its_backend(user):
                          env={**os.environ, "XLA_FLAGS": user}, check=True).stdout.split()
     modes = [f for f in out if "command_buffer_update_mode" in f]
     assert out[0] == "False" and modes == [user or "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"]
+
+
+def test_programs_run_and_waited_for_compile_without_cuda_graphs_on_a_gpu(monkeypatch):
+    """`xla.compile_options()`: no graphs on a GPU; serving's mode or the user's graph flag in
+    XLA_FLAGS keeps XLA's graphs; nothing on the CPU. The options compile (XLA knows them)."""
+    import jax
+    from kernjax import xla
+    lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((3,), "float32"))
+    lowered.compile(xla.compile_options())  # this backend's own
+    assert xla.compile_options() == ({} if jax.default_backend() != "gpu" else
+                                     {"xla_gpu_enable_command_buffer": ""})
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for flags, want in [("--xla_disable_hlo_passes=dot-merger", {"xla_gpu_enable_command_buffer": ""}),
+                        ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", {}),
+                        ("--xla_gpu_enable_command_buffer=FUSION", {})]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        assert xla.compile_options() == want, flags
+    lowered.compile(xla.compile_options())  # the GPU's options are valid XLA options here too
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert xla.compile_options() == {}
