@@ -164,7 +164,7 @@ jax.monitoring.register_event_listener(
     if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses") else None)
 
 
-def _compile(fn, specs, donate=()):
+def _compile(fn, specs, rows, donate=()):
     """`(compiled, {lower_s, xla_s, cache})`: tracing and lowering to StableHLO, then XLA's
     compile; `cache`: whether JAX's persistent compilation cache had the program (hit, miss, or
     `-` when it was not asked: a program that compiles in under a second is not kept)."""
@@ -172,7 +172,7 @@ def _compile(fn, specs, donate=()):
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
     t1 = time.perf_counter()
     n = len(_CACHE_EVENTS)
-    compiled = lowered.compile(xla.compile_options())  # every JAX system: kernjax's options
+    compiled = lowered.compile(xla.compile_options(rows))  # every JAX system: kernjax's options
     seen = _CACHE_EVENTS[n:]
     cache = "hit" if "cache_hits" in seen else "miss" if "cache_misses" in seen else "-"
     return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1, "cache": cache}
@@ -285,14 +285,14 @@ class JaxSystem:
         program = self.fam.program(self.cfg, dtype=self.args.dtype, rows=rows, seqs=1, context=ctx)
         return program, time.perf_counter() - t
 
-    def _parts_of(self, stages):
+    def _parts_of(self, stages, rows):
         parts, info = [], []
         for st in stages:
             t = time.perf_counter()
             exp = export_stage(st)
             t_export = time.perf_counter() - t
             slots = (*st.inputs, *st.arrivals)
-            fn, times = _compile(exp.call, [sl.spec() for sl in slots], _donate(st.inputs))
+            fn, times = _compile(exp.call, [sl.spec() for sl in slots], rows, _donate(st.inputs))
             parts.append(Part(fn, tuple(st.inputs), tuple((o.name, o.role) for o in st.outputs),
                               len(st.departures)))
             info.append({"calls": len(st.calls), "export_s": t_export, **times})
@@ -306,7 +306,7 @@ class Kernjax(JaxSystem):
             stages = [whole(program)]
         else:
             stages = list(cut(program, parse_at(self.args.at_of(self.cfg), program.calls)))
-        parts, info = self._parts_of(stages)
+        parts, info = self._parts_of(stages, rows)
         return {"parts": parts, "shape": item_shape(program, self.fam.PAGE),
                 "state_slots": [sl for st in stages for sl in st.inputs if sl.role == "state"],
                 "extra": {"points": list(stages[0].points), "jaxprs": [program.jaxpr]},
@@ -326,7 +326,7 @@ class Unconstrained(JaxSystem):
                 out = fn(dict(zip(names, xs)))
                 return [out[n] for n, _ in outputs]
 
-            compiled, times = _compile(flat, [sl.spec() for sl in inputs], _donate(inputs))
+            compiled, times = _compile(flat, [sl.spec() for sl in inputs], rows, _donate(inputs))
         shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows, slots=0), self.fam.PAGE)
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))], "shape": shape,
                 "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
@@ -401,7 +401,7 @@ class Plain(JaxSystem):
         specs = ({n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in self.weights.items()},
                  jax.ShapeDtypeStruct((s,), jnp.int32))
         try:
-            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs)
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s)
         except Exception as e:  # noqa: BLE001
             if impl != "cudnn" or self.args.plain_attention != "auto":
                 raise
@@ -409,7 +409,7 @@ class Plain(JaxSystem):
             self.notes.append(f"jax-plain S={s}: cudnn attention failed to compile "
                               f"({one_line(e)[:200]}); measured with implementation='xla'")
             impl = None
-            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs)
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s)
         return {"parts": [fn], "shape": None, "state_slots": [], "extra": {},
                 "info": {"trace_s": 0.0, "parts": [{"export_s": 0.0, **times}],
                          "attention": impl or "xla"}}
@@ -605,7 +605,9 @@ class Results:
             "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "model": cfg.name, "dtype": args.dtype, "iters": args.iters,
             "backend": jax.default_backend(), "machine": machine(),
-            "xla_flags": os.environ.get("XLA_FLAGS", ""), "compile_options": xla.compile_options(),
+            "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
+                                xla.compile_options(xla.GRAPHS_BELOW_ROWS)},
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
             "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
@@ -686,7 +688,7 @@ class Results:
                     f"(attention `{d.get('transformers_attn')}`)" if d.get("torch") else "")
                  + ".",
                  f"- **XLA_FLAGS** (every JAX system, one process): `{d['xla_flags']}`; "
-                 f"compile options (`kernjax.xla.compile_options()`, each JAX program): "
+                 f"compile options (`kernjax.xla.compile_options(rows)`, each JAX program): "
                  f"`{d.get('compile_options', {})}`; "
                  f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
                  "- **Command:**", "", "```", d["command"], "```", "",

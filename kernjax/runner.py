@@ -109,7 +109,7 @@ class Runner:
                  for s in (*art.inputs, *art.arrivals)]
         with xla.compile_lock():
             self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile(
-                xla.compile_options())
+                xla.compile_options(art.item.rows))
         self.donate, self.edged = donate, None
 
     def reset(self) -> None:
@@ -167,7 +167,7 @@ class Runner:
             specs.append(jax.ShapeDtypeStruct((1,), np.int32))
             with xla.compile_lock():
                 self.edged = jax.jit(art.edged.call, donate_argnums=self.donate).lower(
-                    *specs).compile(xla.compile_options())
+                    *specs).compile(xla.compile_options(art.item.rows))
 
     def _keep(self, out) -> dict[str, jax.Array]:
         outputs = {}

@@ -13,9 +13,10 @@ every process of a cut, and compiled programs kept across restarts.
   slices copies too across a call boundary. Off: `--xla_disable_hlo_passes=dot-merger`.
 - **Compiled programs, kept.** JAX's persistent compilation cache (`jax/` under `cache_root()`)
   holds every program that took over a second to compile: a restarted stage loads it.
-- **No CUDA graphs for a program run and waited for** (`compile_options()`): a whole 4B
-  model's graphs cost it 2.2 ms at 8k in one chunk on an H200, outside the GPU's span
-  (2026-12-02); serving's programs keep them, for the host's issue.
+- **No CUDA graphs for a program of 1024 rows or more** (`compile_options(rows)`): on an H200 a
+  whole 4B model's graphs cost it 1.0 ms at 1k and 1.7-2.2 ms at 8k in one chunk, outside the
+  GPU's span, and gained 5.7 ms at 8k in chunks of 512, where the host's issue nears the GPU's
+  work (2026-12-02, docs/bitwise.md); serving's programs keep them (SKIP_TEMP, below).
 - **Serving: CUDA graphs whose temporaries stay put** (`serving()`, by `kernjax.serve`): XLA
   updates every graph node whose buffers moved before each launch, and the temporaries move every
   call; SKIP_TEMP pins them (XLA's VMM allocator, which keeps no statistics). docs/serving.md.
@@ -61,11 +62,14 @@ def configure() -> None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
 
 
-def compile_options() -> dict:
-    """A program's own options: no CUDA graphs on a GPU unless serving (`serving()`) or XLA_FLAGS
-    chose; they cost a whole program ~2 ms before its token (docs/bitwise.md)."""
+GRAPHS_BELOW_ROWS = 1024  # a 4B model on an H200 (above); a smaller model's crossover lies higher
+
+
+def compile_options(rows: int) -> dict:
+    """No CUDA graphs on a GPU from `GRAPHS_BELOW_ROWS` rows an item, unless XLA_FLAGS chose."""
     import jax
-    if jax.default_backend() != "gpu" or "command_buffer" in os.environ.get("XLA_FLAGS", ""):
+    if (jax.default_backend() != "gpu" or rows < GRAPHS_BELOW_ROWS
+            or "command_buffer" in os.environ.get("XLA_FLAGS", "")):
         return {}
     return {"xla_gpu_enable_command_buffer": ""}
 

@@ -560,21 +560,25 @@ def test_serving_pins_the_temporaries_before_jax_makes_its_backend(user):
     assert out[0] == "False" and modes == [user or "--xla_gpu_command_buffer_update_mode=SKIP_TEMP"]
 
 
-def test_programs_run_and_waited_for_compile_without_cuda_graphs_on_a_gpu(monkeypatch):
-    """`xla.compile_options()`: no graphs on a GPU; serving's mode or the user's graph flag in
-    XLA_FLAGS keeps XLA's graphs; nothing on the CPU. The options compile (XLA knows them)."""
+def test_programs_of_many_rows_compile_without_cuda_graphs_on_a_gpu(monkeypatch):
+    """`xla.compile_options(rows)`: no graphs on a GPU from `GRAPHS_BELOW_ROWS` rows; fewer rows,
+    serving's mode or the user's graph flag in XLA_FLAGS keep XLA's graphs; nothing on the CPU.
+    The options compile (XLA knows them)."""
     import jax
     from kernjax import xla
+    off, big, small = {"xla_gpu_enable_command_buffer": ""}, xla.GRAPHS_BELOW_ROWS, 512
+    assert small < big <= 2048  # chunks of 512 keep graphs; 2048 and one 8k chunk do not
     lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((3,), "float32"))
-    lowered.compile(xla.compile_options())  # this backend's own
-    assert xla.compile_options() == ({} if jax.default_backend() != "gpu" else
-                                     {"xla_gpu_enable_command_buffer": ""})
+    lowered.compile(xla.compile_options(big))  # this backend's own
+    assert xla.compile_options(big) == ({} if jax.default_backend() != "gpu" else off)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    for flags, want in [("--xla_disable_hlo_passes=dot-merger", {"xla_gpu_enable_command_buffer": ""}),
+    for flags, want in [("--xla_disable_hlo_passes=dot-merger", off),
                         ("--xla_gpu_command_buffer_update_mode=SKIP_TEMP", {}),
                         ("--xla_gpu_enable_command_buffer=FUSION", {})]:
         monkeypatch.setenv("XLA_FLAGS", flags)
-        assert xla.compile_options() == want, flags
-    lowered.compile(xla.compile_options())  # the GPU's options are valid XLA options here too
+        assert xla.compile_options(big) == want, flags
+        assert xla.compile_options(big - 1) == {} and xla.compile_options(small) == {}, flags
+    monkeypatch.setenv("XLA_FLAGS", "")
+    lowered.compile(xla.compile_options(big))  # the GPU's options are valid XLA options here too
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
-    assert xla.compile_options() == {}
+    assert xla.compile_options(big) == {}
