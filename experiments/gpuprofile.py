@@ -149,7 +149,8 @@ def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
     - XLA:GPU compiles identical fusions once and names the kernel after the first (every
       layer's residual add runs as layer 0's `wrapped_add`): a named kernel whose instruction
       lies behind the walk is the next fusion after it, unless none is left (the program's next
-      run begins).
+      run begins). An `hlo_op` is the instruction itself (without graphs a GEMM's memset carries
+      its GEMM's): it is trusted where it lies.
     A memset is its neighbour's."""
     where = {}
     for m, seq in enumerate(order):
@@ -172,10 +173,12 @@ def attribute(ks: list[dict], ops: dict, order: list) -> list[str]:
 
     out, at, last = [], None, "?"
     for k in ks:
-        hit = next((h for h in map(lookup, (k["hlo_op"], k["name"])) if h), None)
+        hit = lookup(k["hlo_op"])  # the instruction itself: behind the walk, the next run's
+        named = hit is None
+        hit = hit or lookup(k["name"])
         if hit:
             call, pos = hit
-            if pos and at and pos[0] == at[0] and pos[1] <= at[1]:
+            if named and pos and at and pos[0] == at[0] and pos[1] <= at[1]:
                 pos = after(at, "fusion") or pos
                 call = order[pos[0]][pos[1]][1]
             at = pos or at

@@ -99,6 +99,22 @@ def test_profile_attributes_unnamed_gpu_kernels_by_the_schedule():
     assert got == want * 2
 
 
+def test_profile_trusts_each_kernels_hlo_op_without_cuda_graphs():
+    """Without CUDA graphs every kernel carries its instruction as `hlo_op`, a GEMM's memset its
+    GEMM's: the GEMM after its memset stays on its call, not moved to the next fusion (which
+    handed every GEMM of an 8k profile to a norm or RoPE, 2026-12-02)."""
+    names = ["l0.input_norm", "l0.qkv_proj", "l0.q_norm", "l0.attn", "l0.o_proj"]
+    ops, order = gpuprofile.call_of_ops([HLO], names)
+    run = [("loop_multiply_fusion_1", "loop_multiply_fusion.1"), ("Memset 3", "custom-call.2"),
+           ("nvjet_sm90_tst_128x128", "custom-call.2"), ("wrapped_add", "wrapped_add"),
+           ("_lambda__mosaic_gpu_kernel", "custom-call.3"), ("Memset 4", "custom-call.4"),
+           ("nvjet_sm90_tss_64x64", "custom-call.4")]
+    got = gpuprofile.attribute([{"name": n, "hlo_op": o} for n, o in run * 2], ops, order)
+    want = ["l0.input_norm", "l0.qkv_proj", "l0.qkv_proj", "l0.q_norm", "l0.attn", "l0.o_proj",
+            "l0.o_proj"]
+    assert got == want * 2
+
+
 def test_profile_reports_the_longest_idle_gaps_with_their_neighbours():
     """The GPU idle between kernels: its total, the gaps of 50 us or more, and the longest of
     them first, with where each falls and the kernels on either side (a gap's cause)."""
