@@ -304,8 +304,9 @@ def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
 
 
 def table(p: dict) -> str:
+    wall = f", the run's wall clock {p['wall_ms']:.2f} ms" if "wall_ms" in p else ""
     lines = [f"kernels {p['kernels']}, busy {p['busy_ms']:.2f} ms, span {p['span_ms']:.2f} ms "
-             f"(idle {p['idle_ms']:.2f} ms), unattributed {p['unattributed_ms']:.2f} ms",
+             f"(idle {p['idle_ms']:.2f} ms){wall}, unattributed {p['unattributed_ms']:.2f} ms",
              "| call | ms | share | kernels | GEMM ms | GEMM TFLOP | TFLOP/s |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for c in p["calls"]:

@@ -1002,9 +1002,11 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
     try:
         sysobj.reset(h)
         with jax.profiler.trace(tmp):
+            t = time.perf_counter()
             sysobj.prefill(h)
+            wall = (time.perf_counter() - t) * 1e3  # this run's own: a timed run's is not its span
         texts = [getattr(p, "fn", p).as_text() for p in h.parts]  # jax-plain's is the Compiled
-        prof = kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))
+        prof = {"wall_ms": wall, **kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))}
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
         say(f"{tag}: profile failed: {one_line(e)}")
         return None

@@ -57,6 +57,7 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
     calls = {c["call"]: c for c in prof["calls"]}
     assert prof["kernels"] > 0 and prof["busy_ms"] > 0
+    assert prof["wall_ms"] >= prof["span_ms"] > 0  # the profiled run's own clock holds its span
     assert "attn" in calls and "gate_up" in calls, sorted(calls)
     assert prof["unattributed_ms"] <= 0.1 * prof["busy_ms"], prof["unattributed_ms"]
     # the GEMM FLOPs of a kind of call, over its layers: gate_up is 2 GEMMs of rows x hidden x
