@@ -87,6 +87,11 @@
 #     tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;
 #     tests/test_parity.py tests/test_processes.py tests/test_cut.py tests/test_ffi.py tests/test_edge.py
 #     tests/test_kda.py tests/test_mxfp4.py" gpu_gate.sh tests
+# Twentieth session (`47eaeed`): the same in 305 s (240 passed; 192 / 199 / 191 s); the whole table
+# (`--max_seconds 400`) plus the 8k idle rows of four systems (`--iters 7 --max_seconds 140`) in one
+# call of 517 s. The device brings back 8 files: each gate run leaves gate.log and logs.tgz, a
+# prefill run also $OUT/prefill/{README.md,results.json,mfu.png}; remove extras by exact path
+# (`rm $OUT/prefill/mfu.png`), or the table's results.json may be the one left out.
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
