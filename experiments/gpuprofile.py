@@ -93,6 +93,39 @@ def host_events(trace_dir: str, top: int = 12) -> list[dict]:
             for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
+_HOSTCALL = re.compile(r"^cu[A-Z]|^cuda|Execute|BlockHostUntil|Await|ToLiteral|CopyToHost")
+
+
+def host_timeline(trace_dir: str, ks: list[dict], first: int = 4, last: int = 16) -> dict:
+    """The host's CUDA API calls and PjRt's own events (execute, waits, copies to the host) on
+    the GPU's clock (ms from the first kernel's start; the GPU's last kernel ends at `gpu_end_ms`):
+    the first `first` and the last `last` of them, and the busiest by name. Says whether the GPU
+    waited for the host at the end (a late copy or launch) or the host for the GPU."""
+    from jax._src.lib import _profile_data
+
+    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    data = _profile_data.ProfileData.from_file(files[-1])
+    t0 = min(k["start_ns"] for k in ks)
+    evs, tot = [], collections.defaultdict(lambda: [0, 0])
+    for plane in data.planes:
+        if plane.name.startswith("/device"):
+            continue
+        for line in plane.lines:
+            for e in line.events:
+                if _HOSTCALL.search(e.name):
+                    evs.append({"event": e.name[:60], "thread": line.name[:24],
+                                "ms": round((e.start_ns - t0) / 1e6, 3),
+                                "dur_ms": round(e.duration_ns / 1e6, 3)})
+                    tot[e.name[:60]][0] += e.duration_ns
+                    tot[e.name[:60]][1] += 1
+    evs.sort(key=lambda e: e["ms"])
+    end = max(k["start_ns"] + k["ns"] for k in ks)
+    return {"gpu_end_ms": round((end - t0) / 1e6, 3), "events": len(evs),
+            "first": evs[:first], "last": evs[-last:],
+            "busiest": [{"event": k, "ms": v[0] / 1e6, "n": v[1]} for k, v in
+                        sorted(tot.items(), key=lambda kv: -kv[1][0])[:8]]}
+
+
 def call_of_ops(hlo_texts, names=()) -> tuple[dict, list]:
     """`(ops, order)`: HLO instruction name -> (its kernjax call or `-`, whether it sits in the
     entry computation); and per module, its entry's instructions in schedule order as
@@ -322,4 +355,11 @@ def table(p: dict) -> str:
     lines.append("top kernels:")
     lines += [f"  {t['ms']:8.3f} ms  x{t['n']:<4d} {t['call']:<16s} {t['kernel']}"
               for t in p["top_kernels"][:15]]
+    if (h := p.get("host")) and "events" in h:
+        lines.append(f"host (ms from the first kernel; the GPU ends at {h['gpu_end_ms']:.3f}), "
+                     f"{h['events']} events, first and last:")
+        lines += [f"  {e['ms']:9.3f} +{e['dur_ms']:.3f}  {e['thread']:<24s} {e['event']}"
+                  for e in h["first"] + [{"ms": 0, "dur_ms": 0, "thread": "...", "event": ""}]
+                  + h["last"]]
+        lines += [f"  busiest: {b['ms']:.3f} ms x{b['n']} {b['event']}" for b in h["busiest"]]
     return "\n".join(lines)

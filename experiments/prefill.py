@@ -277,6 +277,7 @@ class JaxSystem:
                         outs[name] = v
         if jax.default_backend() != "cpu":  # as the runner does: no host round trip
             outs["next_token"].copy_to_host_async()
+        self.issued = time.perf_counter()  # every program issued: the rest is the GPU's
         jax.block_until_ready((outs, h.states))
         return int(np.asarray(outs["next_token"]).reshape(-1)[0]), outs["logits"]
 
@@ -421,6 +422,7 @@ class Plain(JaxSystem):
         tok, logits, cache = h.parts[0](self.weights, h.items[0])
         if jax.default_backend() != "cpu":  # as kernjax's runner does
             tok.copy_to_host_async()
+        self.issued = time.perf_counter()
         jax.block_until_ready((tok, logits, cache))
         del cache
         return int(np.asarray(tok).reshape(-1)[0]), logits
@@ -939,13 +941,15 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
             iters = args.iters
             if math.isfinite(left):
                 iters = max(1, min(args.iters, int(left // max(first + args.idle, 1e-9))))
-            times, spans = [], []
+            times, spans, issue = [], [], []
             for _ in range(iters):
                 sysobj.reset(h)
                 time.sleep(args.idle)
                 t, wall = time.perf_counter(), time.time()
                 token, logits = sysobj.prefill(h)
                 times.append(time.perf_counter() - t)
+                if getattr(sysobj, "issued", None):  # JAX systems: when the host had issued all
+                    issue.append(sysobj.issued - t)
                 spans.append((wall, time.time()))
             ms = statistics.median(times) * 1e3
             diff = self_diff = None
@@ -965,6 +969,8 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                       "self_diff": None if self_diff is None else
                       {"chunk": self_diff[0], "max_abs": self_diff[1]},
                       "chunk_first": label, "window": [spans[0][0], spans[-1][1]]}
+            if issue:  # the host's time to issue every program, median (the GPU runs meanwhile)
+                detail["issue_ms"] = round(statistics.median(issue) * 1e3, 3)
             if s in args.profile and not sysobj.torch:
                 detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
@@ -1007,6 +1013,10 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
             wall = (time.perf_counter() - t) * 1e3  # this run's own: a timed run's is not its span
         texts = [getattr(p, "fn", p).as_text() for p in h.parts]  # jax-plain's is the Compiled
         prof = {"wall_ms": wall, **kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))}
+        try:  # the host beside the GPU: a late copy or launch at the end is in the wall clock
+            prof["host"] = kprofile.host_timeline(tmp, kprofile.kernels(tmp))
+        except Exception as e:  # noqa: BLE001
+            prof["host"] = {"error": one_line(e)}
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
         say(f"{tag}: profile failed: {one_line(e)}")
         return None

@@ -64,6 +64,11 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     # intermediate in each of qwen3-tiny's 4 layers (a chunk of 32 rows)
     assert np.isclose(calls["gate_up"]["gemm_tflops"], 4 * 2 * (2 * 32 * 64 * 128) / 1e12)
     assert "profile" in details[("kernjax", "32")]
+    # each JAX row says when the host had issued its programs, within the run's own time
+    for key in want:
+        assert 0 < details[key]["issue_ms"] <= max(details[key]["times_ms"]), details[key]
+    # the host's events on the device's clock, beside the kernels
+    assert prof["host"]["gpu_end_ms"] > 0 and prof["host"]["events"] > 0, prof["host"]
 
 
 HLO = """HloModule jit_run, is_scheduled=true
