@@ -7,3 +7,6 @@
 #else
 #define KJ_HD inline
 #endif
+
+// Bytes between the entries of kj_mark's ring, each k int32: whole 64-byte lines.
+KJ_HD long long MarkStride(long long k) { return (k * 4 + 63) / 64 * 64; }

@@ -11,9 +11,11 @@
 // mapped into every device (what the CUDA handlers need). Nothing here touches
 // a GPU at import; CUDA is first used when something asks for it.
 
+#include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <stdexcept>
 #include <string>
 
@@ -89,6 +91,25 @@ uintptr_t HostAlloc(size_t nbytes, bool mapped) {
   }
   std::memset(ptr, 0, size);
   return reinterpret_cast<uintptr_t>(ptr);
+}
+
+// Waits, the GIL released, until the int32 at `addr` (host memory a program writes: kj_mark's
+// slot) is at least `want` or `timeout` s passed: spins 2 ms, then looks every ~20 us. Returns
+// the last value seen.
+int32_t WaitWord(uintptr_t addr, int32_t want, double timeout) {
+  py::gil_scoped_release nogil;
+  const auto* w = reinterpret_cast<const int32_t*>(addr);
+  const auto start = std::chrono::steady_clock::now();
+  for (;;) {
+    const int32_t v = __atomic_load_n(w, __ATOMIC_ACQUIRE);
+    const double t =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (v >= want || t > timeout) return v;
+    if (t > 0.002) {
+      timespec pause{0, 20000};
+      nanosleep(&pause, nullptr);
+    }
+  }
 }
 
 void HostFree(uintptr_t addr, bool mapped) {
@@ -230,6 +251,8 @@ PYBIND11_MODULE(_ffi, m) {
   m.def("host_alloc", &HostAlloc, py::arg("nbytes"), py::arg("mapped") = false,
         "Address of `nbytes` of zeroed, 64-byte aligned host memory; pinned "
         "and mapped into the devices when mapped=True. Free with host_free.");
+  m.def("wait_word", &WaitWord, py::arg("addr"), py::arg("want"), py::arg("timeout"),
+        "Waits (GIL released) until the int32 at addr is >= want or timeout s pass; its value.");
   m.def("host_free", &HostFree, py::arg("addr"), py::arg("mapped") = false,
         "Frees memory from host_alloc, with the same `mapped`.");
 

@@ -330,6 +330,9 @@ def summarize(trace_dir: str, hlo_texts, closed_jaxprs=()) -> dict:
         "kinds": {k: {"ms": v["ns"] / 1e6, "kernels": v["kernels"]} for k, v in
                   sorted(by_kind.items(), key=lambda kv: -kv[1]["ns"])},
         "sample": [{"name": k["name"][:60], "hlo_op": k["hlo_op"]} for k in ks[:12]],
+        # the last to end: a program that publishes its token ends with kj_mark's kernel
+        "last_kernels": [k["name"][:60] for k in sorted(ks, key=lambda k: k["start_ns"]
+                                                         + k["ns"])[-3:]],
         "hlo_names": [n for seq in order for n, _, _ in seq[:12]],
         "top_kernels": [{"kernel": n, "call": c, "ms": v["ns"] / 1e6, "n": v["n"]} for (n, c), v in
                         sorted(top.items(), key=lambda kv: -kv[1]["ns"])[:25]],
@@ -347,6 +350,8 @@ def table(p: dict) -> str:
                      f"| {c['gemm_ms']:.3f} | "
                      + (f"{c['gemm_tflops']:.3g} | {c['tflop_s']:.0f} |" if "tflop_s" in c
                         else "- | - |"))
+    if p.get("last_kernels"):
+        lines.append("last kernels: " + ", ".join(p["last_kernels"]))
     lines.append("kinds: " + ", ".join(f"{k} {v['ms']:.2f} ms ({v['kernels']})"
                                        for k, v in p["kinds"].items()))
     for g in p.get("worst_gaps", []):

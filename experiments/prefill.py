@@ -95,6 +95,7 @@ from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
 from kernjax.stage import export_stage  # noqa: E402
 from kernjax.trace import without_boundaries  # noqa: E402
 from kernjax import xla  # noqa: E402
+from kernjax.tokens import Token, TokenRing  # noqa: E402
 
 SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
 # The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
@@ -164,10 +165,37 @@ jax.monitoring.register_event_listener(
     if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses") else None)
 
 
-def _compile(fn, specs, rows, donate=()):
+PUBLISH = True  # --publish 0: the token through PjRt (copy_to_host_async), the A/B's other side
+
+
+class Published:
+    """A compiled program that publishes its token to the host itself (`kernjax.tokens`, as the
+    runner's): called as the program, it passes the run's number and returns the token as a
+    `tokens.Token`, which `np.asarray` reads from the ring."""
+
+    def __init__(self, compiled, ring, leaf):
+        self.compiled, self.ring, self.leaf = compiled, ring, leaf
+
+    def __call__(self, *args):
+        run = self.ring.next()
+        flat, tree = jax.tree.flatten(self.compiled(*args, run))
+        flat[self.leaf] = self.ring.token(flat[self.leaf], run)
+        return jax.tree.unflatten(tree, flat)
+
+    def __getattr__(self, name):  # as_text, memory_analysis, ...
+        return getattr(self.compiled, name)
+
+
+def _compile(fn, specs, rows, donate=(), token=None):
     """`(compiled, {lower_s, xla_s, cache})`: tracing and lowering to StableHLO, then XLA's
     compile; `cache`: whether JAX's persistent compilation cache had the program (hit, miss, or
-    `-` when it was not asked: a program that compiles in under a second is not kept)."""
+    `-` when it was not asked: a program that compiles in under a second is not kept). With
+    `token=(leaf, n)`, the program's `leaf`-th output leaf, n tokens, is published to the host
+    as the runner's is (`Published`; every JAX system alike, unless --publish 0)."""
+    ring = None
+    if token is not None and PUBLISH and TokenRing.usable(jax.devices()[0]):
+        ring = TokenRing(token[1], jax.devices()[0])
+        fn, specs = ring.wrap(fn, token[0]), [*specs, jax.ShapeDtypeStruct((1,), jnp.int32)]
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
     t1 = time.perf_counter()
@@ -175,7 +203,8 @@ def _compile(fn, specs, rows, donate=()):
     compiled = lowered.compile(xla.compile_options(rows))  # every JAX system: kernjax's options
     seen = _CACHE_EVENTS[n:]
     cache = "hit" if "cache_hits" in seen else "miss" if "cache_misses" in seen else "-"
-    return compiled, {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1, "cache": cache}
+    times = {"lower_s": t1 - t, "xla_s": time.perf_counter() - t1, "cache": cache}
+    return (compiled if ring is None else Published(compiled, ring, token[0])), times
 
 
 def _donate(slots) -> tuple[int, ...]:
@@ -275,11 +304,22 @@ class JaxSystem:
                         h.states[name] = v
                     else:
                         outs[name] = v
-        if jax.default_backend() != "cpu":  # as the runner does: no host round trip
-            outs["next_token"].copy_to_host_async()
         self.issued = time.perf_counter()  # every program issued: the rest is the GPU's
-        jax.block_until_ready((outs, h.states))
-        return int(np.asarray(outs["next_token"]).reshape(-1)[0]), outs["logits"]
+        return self._token(outs["next_token"], (outs, h.states)), outs["logits"]
+
+    def _token(self, tok, rest) -> int:
+        """The token on the host, as the runner gets it: read from the ring the program published
+        it into, after all the program's work (`self.done`: the time to first token; then PjRt
+        is waited for, untimed), or (--publish 0) copied when ready and waited for with all."""
+        if isinstance(tok, Token):
+            value = int(np.asarray(tok).reshape(-1)[0])
+            self.done = time.perf_counter()
+            jax.block_until_ready(rest)
+            return value
+        if jax.default_backend() != "cpu":  # no host round trip
+            tok.copy_to_host_async()
+        jax.block_until_ready(rest)
+        return int(np.asarray(tok).reshape(-1)[0])
 
     def _program(self, rows, ctx):
         t = time.perf_counter()
@@ -293,7 +333,12 @@ class JaxSystem:
             exp = export_stage(st)
             t_export = time.perf_counter() - t
             slots = (*st.inputs, *st.arrivals)
-            fn, times = _compile(exp.call, [sl.spec() for sl in slots], rows, _donate(st.inputs))
+            names = [o.name for o in (*st.departures, *st.outputs)]
+            tok = ((names.index("next_token"), int(np.prod(st.outputs[names.index("next_token")
+                                                                    - len(st.departures)].shape)))
+                   if "next_token" in names else None)
+            fn, times = _compile(exp.call, [sl.spec() for sl in slots], rows, _donate(st.inputs),
+                                 tok)
             parts.append(Part(fn, tuple(st.inputs), tuple((o.name, o.role) for o in st.outputs),
                               len(st.departures)))
             info.append({"calls": len(st.calls), "export_s": t_export, **times})
@@ -327,7 +372,9 @@ class Unconstrained(JaxSystem):
                 out = fn(dict(zip(names, xs)))
                 return [out[n] for n, _ in outputs]
 
-            compiled, times = _compile(flat, [sl.spec() for sl in inputs], rows, _donate(inputs))
+            leaf = [n for n, _ in outputs].index("next_token")
+            compiled, times = _compile(flat, [sl.spec() for sl in inputs], rows, _donate(inputs),
+                                       (leaf, 1))
         shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows, slots=0), self.fam.PAGE)
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))], "shape": shape,
                 "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
@@ -402,7 +449,8 @@ class Plain(JaxSystem):
         specs = ({n: jax.ShapeDtypeStruct(x.shape, x.dtype) for n, x in self.weights.items()},
                  jax.ShapeDtypeStruct((s,), jnp.int32))
         try:
-            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s)
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s,
+                                 token=(0, 1))
         except Exception as e:  # noqa: BLE001
             if impl != "cudnn" or self.args.plain_attention != "auto":
                 raise
@@ -410,7 +458,8 @@ class Plain(JaxSystem):
             self.notes.append(f"jax-plain S={s}: cudnn attention failed to compile "
                               f"({one_line(e)[:200]}); measured with implementation='xla'")
             impl = None
-            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s)
+            fn, times = _compile(plain_forward(self.cfg, s, self.args.dtype, impl), specs, s,
+                                 token=(0, 1))
         return {"parts": [fn], "shape": None, "state_slots": [], "extra": {},
                 "info": {"trace_s": 0.0, "parts": [{"export_s": 0.0, **times}],
                          "attention": impl or "xla"}}
@@ -420,12 +469,10 @@ class Plain(JaxSystem):
 
     def prefill(self, h):
         tok, logits, cache = h.parts[0](self.weights, h.items[0])
-        if jax.default_backend() != "cpu":  # as kernjax's runner does
-            tok.copy_to_host_async()
         self.issued = time.perf_counter()
-        jax.block_until_ready((tok, logits, cache))
+        value = self._token(tok, (logits, cache))
         del cache
-        return int(np.asarray(tok).reshape(-1)[0]), logits
+        return value, logits
 
 
 class Transformers:
@@ -610,6 +657,7 @@ class Results:
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
                                 xla.compile_options(xla.GRAPHS_BELOW_ROWS)},
+            "publish": PUBLISH,
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
             "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
@@ -691,7 +739,8 @@ class Results:
                  + ".",
                  f"- **XLA_FLAGS** (every JAX system, one process): `{d['xla_flags']}`; "
                  f"compile options (`kernjax.xla.compile_options(rows)`, each JAX program): "
-                 f"`{d.get('compile_options', {})}`; "
+                 f"`{d.get('compile_options', {})}`; the token published to the host by "
+                 f"the program (`kernjax.tokens`, as the runner's): {d.get('publish', False)}; "
                  f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
                  "- **Command:**", "", "```", d["command"], "```", "",
                  "## Result", "",
@@ -945,9 +994,10 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
             for _ in range(iters):
                 sysobj.reset(h)
                 time.sleep(args.idle)
+                sysobj.done = None
                 t, wall = time.perf_counter(), time.time()
                 token, logits = sysobj.prefill(h)
-                times.append(time.perf_counter() - t)
+                times.append((getattr(sysobj, "done", None) or time.perf_counter()) - t)
                 if getattr(sysobj, "issued", None):  # JAX systems: when the host had issued all
                     issue.append(sysobj.issued - t)
                 spans.append((wall, time.time()))
@@ -1008,9 +1058,10 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
     try:
         sysobj.reset(h)
         with jax.profiler.trace(tmp):
+            sysobj.done = None
             t = time.perf_counter()
-            sysobj.prefill(h)
-            wall = (time.perf_counter() - t) * 1e3  # this run's own: a timed run's is not its span
+            sysobj.prefill(h)  # the run's own clock, as timed runs take it: not their span
+            wall = ((getattr(sysobj, "done", None) or time.perf_counter()) - t) * 1e3
         texts = [getattr(p, "fn", p).as_text() for p in h.parts]  # jax-plain's is the Compiled
         prof = {"wall_ms": wall, **kprofile.summarize(tmp, texts, h.extra.get("jaxprs", ()))}
         try:  # the host beside the GPU: a late copy or launch at the end is in the wall clock
@@ -1074,6 +1125,10 @@ def parse_args(argv=None):
     ap.add_argument("--chunks", default="512,2048,whole", help="chunk sizes; `whole` = S")
     ap.add_argument("--systems", default="all", help=f"comma-separated of {','.join(SYSTEMS)}")
     ap.add_argument("--iters", type=int, default=3, help="timed prefills per row (median)")
+    ap.add_argument("--publish", type=int, default=1, help="1: every JAX system's program "
+                    "publishes its token to the host itself, as kernjax's runner does "
+                    "(`kernjax.tokens`), and a row's time ends when the host has it; 0: the "
+                    "token through PjRt, its time ending when every output is ready (the A/B)")
     ap.add_argument("--idle", type=float, default=0.0,
                     help="seconds the GPU idles before each timed prefill: one prompt's time to "
                     "first token on a quiet server (a GPU at its power limit runs a burst "
@@ -1148,6 +1203,8 @@ def main():
     if len(sys.argv) == 3 and sys.argv[1] == "--replot":
         return replot(Path(sys.argv[2]))
     args = parse_args()
+    global PUBLISH
+    PUBLISH = bool(args.publish)
     if args.xla_flags:
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {args.xla_flags}".strip()
     fam, cfg = models.named(args.model)

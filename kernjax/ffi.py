@@ -15,9 +15,10 @@ Values that change from step to step (sequence numbers, positions, lengths) are 
 attributes: attributes are baked into the compiled executable, so a per-step attribute would
 recompile every step. Attributes hold only what is fixed for the life of a program.
 
-- `mark`: an identity on one buffer that also publishes a per-step sequence number into a host
-  slot (`kernjax._ffi.host_alloc(nbytes, mapped=...)`, back through `host_free`; a CPU-only run
-  may use any aligned numpy array), so a host thread sees how far a stage has run.
+- `mark`: an identity on one buffer that also publishes a per-step sequence number, and values
+  with it, into a host slot (`kernjax._ffi.host_alloc(nbytes, mapped=...)`, back through
+  `host_free`; a CPU-only run may use any aligned numpy array), so a host thread sees how far a
+  stage has run and what it made without a driver call (`kernjax.tokens`: the first token).
 - `mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
   `models/mxfp4.py: shuffle`; derive programs run it at load).
 - `kj_fa3` (CUDA only) is the bf16 attention call through FlashAttention-3, loaded from
@@ -41,7 +42,7 @@ from jax.core import ShapedArray
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
-__all__ = ["ExtensionError", "available", "register", "has_cuda", "mark",
+__all__ = ["ExtensionError", "available", "register", "has_cuda", "mark", "publish",
            "mark_reference", "mxfp4_shuffle", "hold", "recv", "push", "post"]
 
 _REBUILD = "rebuild it with `pip install --no-build-isolation -e .`"
@@ -109,7 +110,7 @@ def has_cuda() -> bool:
 
 
 def _check_seq(seq):
-    """`seq` as a 1-element int32 array; a Python int is accepted."""
+    """`seq` as a 1-D int32 array of one or more elements; a Python int is accepted."""
     if isinstance(seq, (int, np.integer)) and not isinstance(seq, bool):
         if not np.iinfo(np.int32).min <= int(seq) <= np.iinfo(np.int32).max:
             raise ValueError(f"mark: seq={int(seq)} does not fit in int32")
@@ -117,12 +118,11 @@ def _check_seq(seq):
     dtype = getattr(seq, "dtype", None)
     if dtype != np.int32:
         raise TypeError(
-            f"mark: seq must be an int32 array with one element (a per-step "
-            f"operand), got {'dtype ' + str(dtype) if dtype is not None else type(seq).__name__}")
-    if int(np.prod(np.shape(seq), dtype=np.int64)) != 1:
-        raise ValueError(
-            f"mark: seq must have exactly one element, got shape {np.shape(seq)}")
-    return jnp.reshape(seq, (1,))
+            f"mark: seq must be an int32 array (a per-step operand), got "
+            f"{'dtype ' + str(dtype) if dtype is not None else type(seq).__name__}")
+    if int(np.prod(np.shape(seq), dtype=np.int64)) < 1:
+        raise ValueError(f"mark: seq must have at least one element, got shape {np.shape(seq)}")
+    return jnp.reshape(seq, (-1,))
 
 
 def _check_slot(slot) -> np.uint64:
@@ -141,28 +141,44 @@ def _check_slot(slot) -> np.uint64:
     return np.uint64(slot)
 
 
-def mark(x, seq, *, slot: int = 0):
+def mark(x, seq, *, slot: int = 0, ring: int = 1):
     """Returns `x` unchanged and, when it runs, writes `seq` into `slot`.
 
     x: any array; the output aliases it (input_output_aliases={0: 0}), so no
       copy is made when XLA can reuse the buffer.
-    seq: the step's sequence number, an int32 array with one element (or a
-      Python int). An operand, so it may change every step without recompiling.
-    slot: address of an int32 host slot that receives `seq`, or 0 for none.
-      On CPU any writable, aligned host memory will do; on GPU it must be
-      pinned host memory mapped into the device (cudaHostAlloc with
-      cudaHostAllocMapped). The caller keeps it alive while programs that
-      use it may run.
+    seq: the step's sequence number (a Python int), or an int32 array of it and
+      the values published with it. An operand, so it may change every step
+      without recompiling. seq[1:] is written to the slot's words 1.., then
+      seq[0] to word 0, so a reader that sees seq[0] sees the values.
+    slot: address of the int32 host slot, or 0 for none. On CPU any writable,
+      aligned host memory will do; on GPU it must be pinned host memory mapped
+      into the device (cudaHostAlloc with cudaHostAllocMapped). The caller
+      keeps it alive while programs that use it may run.
+    ring: with ring > 1, `slot` holds that many entries of whole 64-byte lines
+      and this step writes entry seq[0] mod ring (kernjax/tokens.py).
 
     The op has a side effect, so XLA never removes or deduplicates it. It is
     not differentiable and has no batching rule.
     """
-    x = jnp.asarray(x)
-    seq = _check_seq(seq)
-    slot = _check_slot(slot)
-    register()
+    x, seq, attrs = _mark_args(x, seq, slot, ring)
     return jax.ffi.ffi_call("kj_mark", jax.ShapeDtypeStruct(x.shape, x.dtype),
-                            has_side_effect=True, input_output_aliases={0: 0})(x, seq, slot=slot)
+                            has_side_effect=True, input_output_aliases={0: 0})(x, seq, **attrs)
+
+
+def publish(x, seq, *, slot: int, ring: int = 1):
+    """`mark` with no JAX effect: a primitive whose custom call keeps its side effect for XLA, as
+    the edge ops below, so a program served per item keeps jit's C++ dispatch. Its result must
+    be used (a program's output), or JAX may drop it."""
+    x, seq, attrs = _mark_args(x, seq, slot, ring)
+    return _MARK.bind(x, seq, outs=(ShapedArray(x.shape, x.dtype),), **attrs)[0]
+
+
+def _mark_args(x, seq, slot, ring):
+    x, seq, slot = jnp.asarray(x), _check_seq(seq), _check_slot(slot)
+    if isinstance(ring, bool) or not isinstance(ring, (int, np.integer)) or ring < 1:
+        raise ValueError(f"mark: ring must be a positive int, got {ring!r}")
+    register()
+    return x, seq, {"slot": slot, "ring": np.int64(ring)}
 
 
 def mark_reference(x, seq):
@@ -212,6 +228,7 @@ def _edge_op(target: str, aliases: dict[int, int]) -> Primitive:
 
 
 _HOLD, _RECV = _edge_op("kj_hold", {0: 0}), _edge_op("kj_recv", {})
+_MARK = _edge_op("kj_mark", {0: 0})  # publish
 _PUSH, _POST = _edge_op("kj_push", {1: 0}), _edge_op("kj_post", {0: 0})
 _TOK = ShapedArray((1,), jnp.int32)
 

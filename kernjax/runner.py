@@ -21,7 +21,7 @@ import numpy as np
 from kernjax import derive, models
 from kernjax import stage as artifacts
 from kernjax import weights as ckpts
-from kernjax import xla
+from kernjax import tokens, xla
 from kernjax.item import make_item
 
 
@@ -107,10 +107,24 @@ class Runner:
         donate = tuple(i for i, s in enumerate(art.inputs) if s.role == "state")
         specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
                  for s in (*art.inputs, *art.arrivals)]
-        with xla.compile_lock():
-            self.fn = jax.jit(art.exported.call, donate_argnums=donate).lower(*specs).compile(
-                xla.compile_options(art.item.rows))
+        tok = [s for s in art.outputs if s.name == "next_token"]
+        self.ring = (tokens.TokenRing(int(np.prod(tok[0].shape)), self.device)
+                     if tok and tokens.TokenRing.usable(self.device) else None)
+        self.fn = self._compile(art.exported, specs, [s.name for s in (*art.departures,
+                                                                       *art.outputs)], donate)
         self.donate, self.edged = donate, None
+
+    def _compile(self, exported, specs, names, donate):
+        """`exported` compiled for this stage: its states donated, `next_token` (of its outputs
+        `names`) published to the host by the program (`kernjax.tokens`), CUDA graphs by its
+        rows, under the lock."""
+        call = exported.call
+        if self.ring is not None:
+            call = self.ring.wrap(call, names.index("next_token"))
+            specs = [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
+        with xla.compile_lock():
+            return jax.jit(call, donate_argnums=donate).lower(*specs).compile(
+                xla.compile_options(self.art.item.rows))
 
     def reset(self) -> None:
         """Zeroes every state."""
@@ -142,9 +156,10 @@ class Runner:
         if len(arrivals) != len(art.arrivals):
             raise StageError(f"stage {art.index} takes {len(art.arrivals)} arrivals, got "
                              f"{len(arrivals)}")
-        out = self.fn(*self._args(item), *arrivals)
+        run = [self.ring.next()] if self.ring else []
+        out = self.fn(*self._args(item), *arrivals, *run)
         nd = len(art.departures)
-        return list(out[:nd]), self._keep(out[nd:])
+        return list(out[:nd]), self._keep(out[nd:], run)
 
     def run_edged(self, item: Mapping[str, np.ndarray], k: int
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -152,8 +167,9 @@ class Runner:
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()
-        out = self.edged(*self._args(item), np.asarray([k], np.int32))
-        return self._keep(out[:-1]), out[-1]
+        run = [self.ring.next()] if self.ring else []
+        out = self.edged(*self._args(item), np.asarray([k], np.int32), *run)
+        return self._keep(out[:-1], run), out[-1]
 
     def compile_edged(self) -> None:
         """Compiles the program with edge ops (once), without running it: running it would wait
@@ -165,19 +181,20 @@ class Runner:
                                  "ops: re-cut it with this kernjax")
             specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype)) for s in art.inputs]
             specs.append(jax.ShapeDtypeStruct((1,), np.int32))
-            with xla.compile_lock():
-                self.edged = jax.jit(art.edged.call, donate_argnums=self.donate).lower(
-                    *specs).compile(xla.compile_options(art.item.rows))
+            self.edged = self._compile(art.edged, specs, [s.name for s in art.outputs] + ["-"],
+                                       self.donate)
 
-    def _keep(self, out) -> dict[str, jax.Array]:
+    def _keep(self, out, run) -> dict[str, jax.Array]:
         outputs = {}
         for s, v in zip(self.art.outputs, out):
             if s.role == "state":
                 self.states[s.name] = v
             else:
                 outputs[s.name] = v
-        if "next_token" in outputs and self.device.platform != "cpu":  # to the host when ready,
-            outputs["next_token"].copy_to_host_async()  # no round trip (on a CPU it can abort)
+        if run:  # published by the program: np.asarray reads the host's copy
+            outputs["next_token"] = self.ring.token(outputs["next_token"], run[0])
+        elif "next_token" in outputs and self.device.platform != "cpu":  # to the host when
+            outputs["next_token"].copy_to_host_async()  # ready, no round trip
         return outputs
 
     def _args(self, item: Mapping[str, np.ndarray]) -> list:

@@ -34,13 +34,18 @@ def test_size_budget():
     # the extension (ffi.fa3_path), its absence said where a program needs it. +15 on 2026-12-02
     # (nineteenth session): a program run and waited for compiles without CUDA graphs; +5 on
     # 2026-12-02 (twentieth): only a program of 1024 rows or more (chunks of 512 keep them).
-    assert _lines("kernjax/**/*.py") < 5620
+    # +130 on 2026-12-02 (twenty-first): the first token published to the host by the program
+    # itself (kernjax/tokens.py, `ffi.publish`, the runner's use), not handed over by PjRt's
+    # host callbacks (1.4-1.6 ms of every prefill on an H200).
+    assert _lines("kernjax/**/*.py") < 5750
     # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
     # edge ops hold/recv/push/post (~500, CPU and CUDA), NCCL loaded at run time and device
     # slots for CUDA IPC (~200). kj_fa3 (~230, 2026-12-01): bf16 attention through
     # FlashAttention-3, a library built outside (scripts/fa3), with the gather of the pages into
     # contiguous keys it reads with TMA; csrc/fa3/glue.cu, compiled only against it, is not here.
-    assert _lines("csrc/*") < 1800
+    # +40 (2026-12-02): kj_mark publishes values with its number into a ring of entries, and
+    # wait_word waits on one with the GIL released (kernjax/tokens.py).
+    assert _lines("csrc/*") < 1840
 
 
 def test_kernjax_holds_no_model_knowledge():

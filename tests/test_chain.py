@@ -6,15 +6,18 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from kernjax import models
 from kernjax import stage as artifacts
+from kernjax import tokens
+from kernjax import weights as ckpts
 from kernjax.chain import chain
 from kernjax.cli import model_meta
 from kernjax.cut import cut, whole
-from kernjax.item import item_shape
+from kernjax.item import Piece, item_shape, make_item
 from kernjax.run import Pipeline
 from kernjax.runner import Runner, checkpoint_dir, load_weights
 from tests.conftest import add_tokenizer, prompts
@@ -54,6 +57,33 @@ def test_stages_equal_whole_after_every_chunk(setup):
         assert ok, f"cut {at}, chunk {chunk}:\n" + "\n".join(lines)
     assert lines[-1] == "PASS: 7 prompts bitwise identical"
     assert "prompt 6: 2049 tokens, " + str(-(-2049 // chunk)) + " chunks: IDENTICAL" in lines
+
+
+def test_the_program_publishes_its_token_to_the_host(setup):
+    """`kernjax.tokens`: the last stage's program writes the run's number and token into its
+    ring (no JAX effect, so jit's C++ dispatch stays); the host reads it there, and reads the
+    device array where the entry may have been written over."""
+    chunk, program, pipeline, whole_pipe = setup
+    for r in (whole_pipe.runners[-1], pipeline(cut(program, [26]), "token").runners[-1]):
+        arrivals = [np.zeros(s.shape, ckpts.np_dtype(s.dtype)) for s in r.art.arrivals]
+        toks = np.arange(5, 5 + chunk, dtype=np.int32) % CFG.vocab
+        item = make_item([Piece(toks, 0, tuple(range(1, chunk // FAM.PAGE + 1)))], r.art.item)
+        for _ in range(2):
+            _, outs = r.run(item, arrivals)
+            tok = outs["next_token"]
+            assert isinstance(tok, tokens.Token)
+            got, want = np.asarray(tok), np.asarray(tok.array)
+            assert got.dtype == np.int32 and got.shape == want.shape and np.array_equal(got, want)
+            assert r.ring.view[tok.run % tokens.RING, 0] == tok.run
+        specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
+                 for s in (*r.art.inputs, *r.art.arrivals)] + [jax.ShapeDtypeStruct((1,), np.int32)]
+        names = [s.name for s in (*r.art.departures, *r.art.outputs)]
+        traced = jax.make_jaxpr(r.ring.wrap(r.art.exported.call, names.index("next_token")))
+        assert not traced(*specs).effects, "a JAX effect: the program would leave C++ dispatch"
+        _, outs = r.run(item, arrivals)
+        r.ring.runs += tokens.RING  # as if a ring's worth of runs went since: not read there
+        r.ring.view[outs["next_token"].run % tokens.RING, 1:] = -7
+        assert np.array_equal(np.asarray(outs["next_token"]), np.asarray(outs["next_token"].array))
 
 
 def test_chain_detects_a_difference(setup):

@@ -69,6 +69,23 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
         assert 0 < details[key]["issue_ms"] <= max(details[key]["times_ms"]), details[key]
     # the host's events on the device's clock, beside the kernels
     assert prof["host"]["gpu_end_ms"] > 0 and prof["host"]["events"] > 0, prof["host"]
+    # the token published by the program itself (kernjax.tokens), after all its work
+    assert data["publish"] is True
+    assert prof["last_kernels"][-1].startswith("kj_mark"), prof["last_kernels"]
+
+
+def test_prefill_benchmark_without_publishing_the_token(tmp_path):
+    """--publish 0, the A/B's other side: the token through PjRt, the same token."""
+    out = tmp_path / "prefill"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+         "--prompts", "64", "--chunks", "whole", "--iters", "1", "--second_start", "",
+         "--profile", "", "--systems", "kernjax,jax-plain", "--publish", "0", "--out", str(out)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["publish"] is False and data["errors"] == []
+    assert len({d["token"] for d in data["details"]}) == 1 and len(data["details"]) == 2
 
 
 HLO = """HloModule jit_run, is_scheduled=true

@@ -1,6 +1,7 @@
 """Tests for kernjax.ffi: the extension, its registration, and the `mark` op."""
 
 import ctypes
+import time
 
 import jax
 import jax.numpy as jnp
@@ -129,6 +130,38 @@ def test_mark_writes_seq_to_host_slot():
     assert list(slot[1:]) == [0, 0, 0], "only one int32 is written"
 
 
+def test_mark_publishes_values_into_entry_seq_mod_ring():
+    """seq = [run, values...]: the values land in entry run mod ring (64-byte lines), run last;
+    the other entries stay as they were (kernjax.tokens publishes the first token so)."""
+    ring, words = 4, 16  # 1 + 5 int32 round up to one 64-byte line
+    slot = np.zeros((ring, words), np.int32)
+
+    @jax.jit
+    def f(x, seq):
+        return ffi.mark(x, seq, slot=slot.ctypes.data, ring=ring)
+
+    with _on_cpu():
+        for run in (1, 2, 5, 6):
+            vals = np.arange(5, dtype=np.int32) * 10 + run
+            x = _data((5,), np.float32)
+            _assert_bitwise(jax.block_until_ready(f(x, jnp.asarray(np.r_[run, vals]))), x)
+            assert slot[run % ring, 0] == run
+            assert list(slot[run % ring, 1:6]) == list(vals)
+    assert slot[0].tolist() == [0] * words and slot[3].tolist() == [0] * words
+    assert list(slot[:, 6:].ravel()) == [0] * (ring * 10), "nothing past the values is written"
+
+
+def test_wait_word_returns_once_the_word_is_reached_or_the_time_is_up():
+    from kernjax import _ffi
+
+    word = np.zeros(1, np.int32)
+    word[0] = 7
+    assert _ffi.wait_word(word.ctypes.data, 7, 5.0) == 7
+    t = time.perf_counter()
+    assert _ffi.wait_word(word.ctypes.data, 8, 0.05) == 7  # times out with what it saw
+    assert 0.05 <= time.perf_counter() - t < 2.0
+
+
 def test_mark_side_effect_survives_unused_result():
     slot = np.zeros(1, np.int32)
 
@@ -174,8 +207,10 @@ def test_bad_seq_dtype_is_a_clear_error(seq, match):
 
 
 def test_bad_seq_shape_and_slot_are_clear_errors():
-    with pytest.raises(ValueError, match="exactly one element"):
-        ffi.mark(jnp.ones(3), jnp.array([1, 2], jnp.int32))
+    with pytest.raises(ValueError, match="at least one element"):
+        ffi.mark(jnp.ones(3), jnp.zeros((0,), jnp.int32))
+    with pytest.raises(ValueError, match="ring must be a positive int"):
+        ffi.mark(jnp.ones(3), 1, ring=0)
     with pytest.raises(ValueError, match="int32"):
         ffi.mark(jnp.ones(3), 2**31)
     with pytest.raises(ValueError, match="aligned"):

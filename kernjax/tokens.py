@@ -1,0 +1,92 @@
+"""The first token on the host as soon as the device has it: the program publishes it itself.
+
+PjRt hands a program's output to the host through host callbacks: the device finishes, a driver
+thread wakes a PjRt thread, which issues the copy, whose end wakes another. On an H200 that
+added 1.4-1.6 ms to every prefill of the 4B model (2026-12-02, docs/bitwise.md): the GPU idle
+0.65 ms before the token's copy, and the host 0.9 ms after it. Here the program ends with
+`ffi.publish` (`mark` with no JAX effect), which writes the run's number and its tokens into a ring of host memory (pinned and
+mapped on a GPU) in stream order, after everything the run computes; the host waits on that
+word (`_ffi.wait_word`: a load from host memory, the GIL released, no driver call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from . import ffi
+
+RING = 64  # entries: runs in flight at once (a pipeline holds a few) before one is written over
+
+
+class TokenRing:
+    """Where one runner's programs publish `n` tokens a run (`wrap`), and how it reads them."""
+
+    def __init__(self, n: int, device: jax.Device):
+        self.n, self.stride, self.runs = n, -(-4 * (n + 1) // 64) * 64, 0
+        ext = ffi._extension()
+        # held for the process's life: a program issued before a close may still write it
+        self.addr = ext.host_alloc(RING * self.stride, mapped=device.platform != "cpu")
+        words = (ctypes.c_int32 * (RING * self.stride // 4)).from_address(self.addr)
+        self.view = np.ctypeslib.as_array(words).reshape(RING, -1)
+        self.wait_word = ext.wait_word
+
+    @staticmethod
+    def usable(device: jax.Device) -> bool:
+        return ffi.available() and (device.platform == "cpu" or ffi.has_cuda())
+
+    def wrap(self, call, leaf: int):
+        """`call(*args)` as `f(*args, run)`: the `leaf`-th leaf of its outputs, the tokens,
+        published into entry `run` (int32[1], from `next`) when the program gets there."""
+        def publishing(*args):
+            *args, run = args
+            flat, tree = jax.tree.flatten(call(*args))
+            tok = flat[leaf]
+            seq = jnp.concatenate([run, tok.reshape(-1).astype(jnp.int32)])
+            flat[leaf] = ffi.publish(tok, seq, slot=self.addr, ring=RING)
+            return jax.tree.unflatten(tree, flat)
+        return publishing
+
+    def next(self) -> np.ndarray:
+        """The next run's number, the operand `wrap`'s program takes."""
+        self.runs = self.runs % (2**31 - 2) + 1
+        return np.asarray([self.runs], np.int32)
+
+    def token(self, array: jax.Array, run: np.ndarray) -> Token:
+        return Token(self, array, int(run[0]))
+
+
+class Token:
+    """A run's `next_token`: `np.asarray(token)` waits for the run's entry in the ring and reads
+    it; where the entry may be written over (a ring's worth of runs issued since) or never
+    comes (the program failed), it reads the device array as PjRt hands it over."""
+
+    def __init__(self, ring: TokenRing, array: jax.Array, run: int):
+        self.ring, self.array, self.run, self._value = ring, array, run, None
+        self.shape, self.dtype = array.shape, array.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        if self._value is None:
+            r, i = self.ring, self.run % RING
+            while self._value is None and self._unwritten():
+                if r.wait_word(r.addr + i * r.stride, self.run, 0.05) == self.run:
+                    v = r.view[i, 1:1 + r.n].copy()
+                    if not self._unwritten() or r.view[i, 0] != self.run:
+                        break
+                    self._value = v.reshape(self.shape).astype(self.dtype)
+                elif self.array.is_ready() and r.view[i, 0] != self.run:
+                    break  # the program failed: PjRt says why
+            if self._value is None:
+                self._value = np.asarray(self.array)
+        return self._value if dtype is None else self._value.astype(dtype)
+
+    def _unwritten(self) -> bool:
+        """No run since that can write this run's entry has been issued."""
+        return (self.ring.runs - self.run) % (2**31 - 2) < RING - 1
+
+    def block_until_ready(self) -> Token:
+        np.asarray(self)
+        return self
