@@ -92,6 +92,10 @@
 # call of 517 s. The device brings back 8 files: each gate run leaves gate.log and logs.tgz, a
 # prefill run also $OUT/prefill/{README.md,results.json,mfu.png}; remove extras by exact path
 # (`rm $OUT/prefill/mfu.png`), or the table's results.json may be the one left out.
+# Twenty-first (`9dfdfe5`): the third group with tests/test_chain.py too (the token's publication
+# on the GPU): 264 passed (78 / 48 / 138 in 203 / 180 / 284 s), after an 8k A/B, in a call of
+# 477 s; `cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/` at the
+# end brings back everything as one file.
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
