@@ -4,9 +4,10 @@ PjRt hands a program's output to the host through host callbacks: the device fin
 thread wakes a PjRt thread, which issues the copy, whose end wakes another. On an H200 that
 added 1.4-1.6 ms to every prefill of the 4B model (2026-12-02, docs/bitwise.md): the GPU idle
 0.65 ms before the token's copy, and the host 0.9 ms after it. Here the program ends with
-`ffi.publish` (`mark` with no JAX effect), which writes the run's number and its tokens into a ring of host memory (pinned and
-mapped on a GPU) in stream order, after everything the run computes; the host waits on that
-word (`_ffi.wait_word`: a load from host memory, the GIL released, no driver call).
+`ffi.publish` (`mark` with no JAX effect), which writes the run's number and its tokens into a
+ring of host memory (pinned and mapped on a GPU) in stream order, after everything the run
+computes; the host waits on that word (`_ffi.wait_word`: a load from host memory, the GIL
+released, no driver call).
 """
 
 from __future__ import annotations
