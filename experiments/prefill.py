@@ -5,7 +5,10 @@ For each system, prompt length S (`--prompts`) and chunk setting (`--chunks`; `w
 prompt in one chunk, and a chunk >= S is S): one untimed warm-up prefill of the whole prompt (after
 compiling, which is timed on its own), then `--iters` timed prefills of all S tokens, chunk after
 chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
-after `block_until_ready` / `torch.cuda.synchronize()`. The median is the time to first token.
+when the host has the token: for the JAX systems, read from the ring their program published it
+into after all its work (`kernjax.tokens`, as kernjax's runner reads it; `--publish 0`: after
+`block_until_ready` of every output), for transformers after `torch.cuda.synchronize()`. The
+median is the time to first token.
 
   kernjax                 `models.qwen3.program(rows=chunk, seqs=1, context)` as one stage
                           (`cut.whole` + `stage.export_stage`), jitted with its states donated
