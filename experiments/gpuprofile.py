@@ -47,15 +47,20 @@ def kind_of(kernel: str) -> str:
     return "other"
 
 
-def kernels(trace_dir: str) -> list[dict]:
-    """The GPU kernels of the newest xplane under `trace_dir`: name, hlo_op, start, duration
-    (on the CPU backend, where there is no device plane, the thunks XLA ran)."""
+def _xplane(trace_dir: str):
+    """The newest xplane under `trace_dir`, read."""
     from jax._src.lib import _profile_data
 
     files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
     if not files:
         raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
-    data = _profile_data.ProfileData.from_file(files[-1])
+    return _profile_data.ProfileData.from_file(files[-1])
+
+
+def kernels(trace_dir: str) -> list[dict]:
+    """The GPU kernels of the newest xplane under `trace_dir`: name, hlo_op, start, duration
+    (on the CPU backend, where there is no device plane, the thunks XLA ran)."""
+    data = _xplane(trace_dir)
     planes = [p for p in data.planes if p.name.startswith("/device:GPU")]
     host = not planes  # the CPU backend: its thunks, the events with an `hlo_op`
     out = []
@@ -74,10 +79,7 @@ def host_events(trace_dir: str, top: int = 12) -> list[dict]:
     """The host's busiest events in the newest xplane under `trace_dir`, by total time: Python
     functions (`$file:line name`, with the Python tracer on) and PjRt's own (dispatch, waits),
     per thread line. Nested events each count, so a caller includes its callees."""
-    from jax._src.lib import _profile_data
-
-    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    data = _profile_data.ProfileData.from_file(files[-1])
+    data = _xplane(trace_dir)
     tot: dict = collections.defaultdict(lambda: [0, 0])
     for plane in data.planes:
         if not plane.name.startswith("/host:CPU"):
@@ -101,10 +103,7 @@ def host_timeline(trace_dir: str, ks: list[dict], first: int = 4, last: int = 16
     the GPU's clock (ms from the first kernel's start; the GPU's last kernel ends at `gpu_end_ms`):
     the first `first` and the last `last` of them, and the busiest by name. Says whether the GPU
     waited for the host at the end (a late copy or launch) or the host for the GPU."""
-    from jax._src.lib import _profile_data
-
-    files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    data = _profile_data.ProfileData.from_file(files[-1])
+    data = _xplane(trace_dir)
     t0 = min(k["start_ns"] for k in ks)
     evs, tot = [], collections.defaultdict(lambda: [0, 0])
     for plane in data.planes:

@@ -98,7 +98,7 @@ from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
 from kernjax.stage import export_stage  # noqa: E402
 from kernjax.trace import without_boundaries  # noqa: E402
 from kernjax import xla  # noqa: E402
-from kernjax.tokens import Token, TokenRing  # noqa: E402
+from kernjax.tokens import Published, Token, TokenRing  # noqa: E402
 
 SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
 # The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
@@ -169,24 +169,6 @@ jax.monitoring.register_event_listener(
 
 
 PUBLISH = True  # --publish 0: the token through PjRt (copy_to_host_async), the A/B's other side
-
-
-class Published:
-    """A compiled program that publishes its token to the host itself (`kernjax.tokens`, as the
-    runner's): called as the program, it passes the run's number and returns the token as a
-    `tokens.Token`, which `np.asarray` reads from the ring."""
-
-    def __init__(self, compiled, ring, leaf):
-        self.compiled, self.ring, self.leaf = compiled, ring, leaf
-
-    def __call__(self, *args):
-        run = self.ring.next()
-        flat, tree = jax.tree.flatten(self.compiled(*args, run))
-        flat[self.leaf] = self.ring.token(flat[self.leaf], run)
-        return jax.tree.unflatten(tree, flat)
-
-    def __getattr__(self, name):  # as_text, memory_analysis, ...
-        return getattr(self.compiled, name)
 
 
 def _compile(fn, specs, rows, donate=(), token=None):
@@ -336,12 +318,10 @@ class JaxSystem:
             exp = export_stage(st)
             t_export = time.perf_counter() - t
             slots = (*st.inputs, *st.arrivals)
-            names = [o.name for o in (*st.departures, *st.outputs)]
-            tok = ((names.index("next_token"), int(np.prod(st.outputs[names.index("next_token")
-                                                                    - len(st.departures)].shape)))
-                   if "next_token" in names else None)
+            tok = [(len(st.departures) + i, int(np.prod(o.shape)))
+                   for i, o in enumerate(st.outputs) if o.name == "next_token"]
             fn, times = _compile(exp.call, [sl.spec() for sl in slots], rows, _donate(st.inputs),
-                                 tok)
+                                 tok[0] if tok else None)
             parts.append(Part(fn, tuple(st.inputs), tuple((o.name, o.role) for o in st.outputs),
                               len(st.departures)))
             info.append({"calls": len(st.calls), "export_s": t_export, **times})

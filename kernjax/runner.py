@@ -118,13 +118,14 @@ class Runner:
         """`exported` compiled for this stage: its states donated, `next_token` (of its outputs
         `names`) published to the host by the program (`kernjax.tokens`), CUDA graphs by its
         rows, under the lock."""
-        call = exported.call
+        call, leaf = exported.call, None
         if self.ring is not None:
-            call = self.ring.wrap(call, names.index("next_token"))
-            specs = [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
+            leaf = names.index("next_token")
+            call, specs = self.ring.wrap(call, leaf), [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
         with xla.compile_lock():
-            return jax.jit(call, donate_argnums=donate).lower(*specs).compile(
+            fn = jax.jit(call, donate_argnums=donate).lower(*specs).compile(
                 xla.compile_options(self.art.item.rows))
+        return fn if leaf is None else tokens.Published(fn, self.ring, leaf)
 
     def reset(self) -> None:
         """Zeroes every state."""
@@ -156,10 +157,9 @@ class Runner:
         if len(arrivals) != len(art.arrivals):
             raise StageError(f"stage {art.index} takes {len(art.arrivals)} arrivals, got "
                              f"{len(arrivals)}")
-        run = [self.ring.next()] if self.ring else []
-        out = self.fn(*self._args(item), *arrivals, *run)
+        out = self.fn(*self._args(item), *arrivals)
         nd = len(art.departures)
-        return list(out[:nd]), self._keep(out[nd:], run)
+        return list(out[:nd]), self._keep(out[nd:])
 
     def run_edged(self, item: Mapping[str, np.ndarray], k: int
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -167,9 +167,8 @@ class Runner:
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()
-        run = [self.ring.next()] if self.ring else []
-        out = self.edged(*self._args(item), np.asarray([k], np.int32), *run)
-        return self._keep(out[:-1], run), out[-1]
+        out = self.edged(*self._args(item), np.asarray([k], np.int32))
+        return self._keep(out[:-1]), out[-1]
 
     def compile_edged(self) -> None:
         """Compiles the program with edge ops (once), without running it: running it would wait
@@ -184,17 +183,16 @@ class Runner:
             self.edged = self._compile(art.edged, specs, [s.name for s in art.outputs] + ["-"],
                                        self.donate)
 
-    def _keep(self, out, run) -> dict[str, jax.Array]:
+    def _keep(self, out) -> dict[str, jax.Array]:
         outputs = {}
         for s, v in zip(self.art.outputs, out):
             if s.role == "state":
                 self.states[s.name] = v
             else:
                 outputs[s.name] = v
-        if run:  # published by the program: np.asarray reads the host's copy
-            outputs["next_token"] = self.ring.token(outputs["next_token"], run[0])
-        elif "next_token" in outputs and self.device.platform != "cpu":  # to the host when
-            outputs["next_token"].copy_to_host_async()  # ready, no round trip
+        tok = outputs.get("next_token")  # a tokens.Token where the program publishes it, else
+        if isinstance(tok, jax.Array) and self.device.platform != "cpu":  # to the host when
+            tok.copy_to_host_async()  # ready, no round trip
         return outputs
 
     def _args(self, item: Mapping[str, np.ndarray]) -> list:

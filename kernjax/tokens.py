@@ -56,8 +56,22 @@ class TokenRing:
         self.runs = self.runs % (2**31 - 2) + 1
         return np.asarray([self.runs], np.int32)
 
-    def token(self, array: jax.Array, run: np.ndarray) -> Token:
-        return Token(self, array, int(run[0]))
+
+class Published:
+    """A program compiled from `TokenRing.wrap`: called as the program it wraps, it passes the
+    next run's number and returns its tokens as a `Token`; the rest of the compiled API as is."""
+
+    def __init__(self, compiled, ring: TokenRing, leaf: int):
+        self.compiled, self.ring, self.leaf = compiled, ring, leaf
+
+    def __call__(self, *args):
+        run = self.ring.next()
+        flat, tree = jax.tree.flatten(self.compiled(*args, run))
+        flat[self.leaf] = Token(self.ring, flat[self.leaf], int(run[0]))
+        return jax.tree.unflatten(tree, flat)
+
+    def __getattr__(self, name):  # memory_analysis, as_text, ...
+        return getattr(self.compiled, name)
 
 
 class Token:

@@ -36,8 +36,9 @@ def test_size_budget():
     # 2026-12-02 (twentieth): only a program of 1024 rows or more (chunks of 512 keep them).
     # +130 on 2026-12-02 (twenty-first): the first token published to the host by the program
     # itself (kernjax/tokens.py, `ffi.publish`, the runner's use), not handed over by PjRt's
-    # host callbacks (1.4-1.6 ms of every prefill on an H200).
-    assert _lines("kernjax/**/*.py") < 5750
+    # host callbacks (1.4-1.6 ms of every prefill on an H200); +10: its wrapper of a compiled
+    # program (`tokens.Published`), which prefill.py had written again.
+    assert _lines("kernjax/**/*.py") < 5760
     # The FFI handlers: mark (~160 lines), the MXFP4 shuffle (~200), FlashKDA varlen (~320), the
     # edge ops hold/recv/push/post (~500, CPU and CUDA), NCCL loaded at run time and device
     # slots for CUDA IPC (~200). kj_fa3 (~230, 2026-12-01): bf16 attention through
