@@ -1,12 +1,11 @@
 // kj_mark, CPU: an identity op on one buffer that also publishes a per-step
 // sequence number, and values with it, into a host slot.
 //
-// The Python wrapper (kernjax/ffi.py: mark) aliases the output to the input
-// (input_output_aliases={0: 0}), so normally no bytes move; when XLA does hand
-// us distinct buffers we copy. `seq` is an operand (int32 [1 + n]: the number,
-// then n values, e.g. a run's tokens) because it changes every step; the slot
-// address and `ring` are attributes, fixed for the life of the program. With
-// ring > 1 the slot is entry seq[0] mod ring of a ring of them, each
+// The Python wrapper (kernjax/ffi.py: mark) aliases the output to the input, so normally no
+// bytes move; when XLA hands us distinct buffers we copy. `seq` is an operand (int32 [1 + n]:
+// the number, then n values, e.g. a run's tokens) because it changes every step; the slot (an
+// address, or an id bound by bind_slot, kj.h) and `ring` are attributes, fixed for the
+// program's life. With ring > 1 the slot is entry seq[0] mod ring of a ring of them, each
 // MarkStride(1 + n) bytes (kernjax/tokens.py).
 
 #include <cstddef>
@@ -47,6 +46,7 @@ ffi::Error MarkImpl(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> seq, uint64_t slot,
   if (seq.element_count() < 1 || ring < 1) {
     return ffi::Error::InvalidArgument("kj_mark: seq needs an element and ring one entry");
   }
+  slot = BoundSlot(slot);
   if (slot % alignof(int32_t) != 0) {
     return ffi::Error::InvalidArgument(
         "kj_mark: slot address must be 4-byte aligned");

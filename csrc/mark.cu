@@ -2,19 +2,14 @@
 // sequence number, and values with it (mark.cc), into a mapped host slot, in
 // stream order.
 //
-// Everything is enqueued on XLA's stream; nothing here synchronizes. When the
-// output aliases the input (the normal case, see kernjax/ffi.py: mark) no
-// bytes move; otherwise a device-to-device cudaMemcpyAsync copies them. If a
-// slot is given, a one-thread kernel fences (__threadfence_system) and then
-// writes seq into it, so a host thread that polls the slot and sees seq knows
-// that all work enqueued before this op on the stream has completed; the
-// values go first, each thread's fenced, so that thread sees them too.
+// Everything is enqueued on XLA's stream; nothing here synchronizes. When the output aliases
+// the input (the normal case, kernjax/ffi.py: mark) no bytes move; otherwise a device-to-device
+// cudaMemcpyAsync copies them. If a slot is given, a kernel fences (__threadfence_system) and
+// writes seq into it, the values first, so a host thread that polls the slot and sees seq[0]
+// knows that all work enqueued before this op on the stream has completed.
 //
-// The slot must be pinned host memory mapped into the device address space
-// (cudaHostAlloc(..., cudaHostAllocMapped) or cudaHostRegister(...,
-// cudaHostRegisterMapped)). Under UVA the device pointer equals the host
-// pointer; we still ask the runtime for the device pointer, and reject
-// pointers it does not know about rather than faulting in the kernel.
+// The slot must be pinned host memory mapped into the device (cudaHostAlloc or
+// cudaHostRegister, mapped); a pointer the runtime does not know is refused, not faulted on.
 
 #include <cstddef>
 #include <cstdint>
@@ -85,6 +80,7 @@ ffi::Error MarkImpl(cudaStream_t stream, ffi::AnyBuffer x,
   if (seq.element_count() < 1 || ring < 1) {
     return ffi::Error::InvalidArgument("kj_mark: seq needs an element and ring one entry");
   }
+  slot = BoundSlot(slot);
   if (slot % alignof(int32_t) != 0) {
     return ffi::Error::InvalidArgument(
         "kj_mark: slot address must be 4-byte aligned");

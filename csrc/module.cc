@@ -27,6 +27,7 @@
 #include <pybind11/stl.h>
 
 #include "edge.h"
+#include "kj.h"
 
 #include "xla/ffi/api/ffi.h"
 
@@ -253,6 +254,8 @@ PYBIND11_MODULE(_ffi, m) {
         "and mapped into the devices when mapped=True. Free with host_free.");
   m.def("wait_word", &WaitWord, py::arg("addr"), py::arg("want"), py::arg("timeout"),
         "Waits (GIL released) until the int32 at addr is >= want or timeout s pass; its value.");
+  m.def("bind_slot", [](uint64_t i, uint64_t a) { if (i > 0 && i < 64) kj_slots[i] = a; }, py::arg("id"),
+        py::arg("addr"), "Binds kj_mark's slot `id` (1..63) of this process to address `addr`.");
   m.def("host_free", &HostFree, py::arg("addr"), py::arg("mapped") = false,
         "Frees memory from host_alloc, with the same `mapped`.");
 

@@ -136,7 +136,7 @@ def _check_slot(slot) -> np.uint64:
                         f"{type(slot).__name__}") from None
     if not 0 <= slot < 2**64:
         raise ValueError(f"mark: slot={slot} is not a 64-bit address")
-    if slot % 4:
+    if slot % 4 and slot >= 64:  # below 64: an id bound by _ffi.bind_slot (csrc/kj.h)
         raise ValueError(f"mark: slot={slot:#x} must be 4-byte aligned")
     return np.uint64(slot)
 
@@ -150,7 +150,8 @@ def mark(x, seq, *, slot: int = 0, ring: int = 1):
       the values published with it. An operand, so it may change every step
       without recompiling. seq[1:] is written to the slot's words 1.., then
       seq[0] to word 0, so a reader that sees seq[0] sees the values.
-    slot: address of the int32 host slot, or 0 for none. On CPU any writable,
+    slot: address of the int32 host slot, an id bound to one (`_ffi.bind_slot`,
+      1..63), or 0 for none. On CPU any writable,
       aligned host memory will do; on GPU it must be pinned host memory mapped
       into the device (cudaHostAlloc with cudaHostAllocMapped). The caller
       keeps it alive while programs that use it may run.

@@ -45,7 +45,8 @@ def test_size_budget():
     # FlashAttention-3, a library built outside (scripts/fa3), with the gather of the pages into
     # contiguous keys it reads with TMA; csrc/fa3/glue.cu, compiled only against it, is not here.
     # +40 (2026-12-02): kj_mark publishes values with its number into a ring of entries, and
-    # wait_word waits on one with the GIL released (kernjax/tokens.py).
+    # wait_word waits on one with the GIL released (kernjax/tokens.py). Its slots by id
+    # (bind_slot, 2026-12-02): no address in the HLO, so a restarted stage hits the cache.
     assert _lines("csrc/*") < 1840
 
 

@@ -86,6 +86,28 @@ def test_the_program_publishes_its_token_to_the_host(setup):
         assert np.array_equal(np.asarray(outs["next_token"]), np.asarray(outs["next_token"].array))
 
 
+_PUBLISHED_HLO = """
+import hashlib, jax, jax.numpy as jnp, numpy as np
+from kernjax import tokens
+ring = tokens.TokenRing(2, jax.devices()[0])
+f = ring.wrap(lambda x: (x * 2, jnp.argmax(x, axis=-1).astype(jnp.int32)), 1)
+text = jax.jit(f).lower(jnp.ones((2, 8)), np.zeros(1, np.int32)).as_text()
+assert str(ring.addr) not in text and hex(ring.addr) not in text, "the ring's address in the HLO"
+print(ring.slot, hashlib.sha256(text.encode()).hexdigest())
+"""
+
+
+def test_a_published_program_is_the_same_hlo_in_every_process():
+    """The program names its ring by an id bound in each process, not by the ring's address, so
+    a restarted stage compiles the same HLO and finds it in JAX's persistent cache (the address
+    in it made every second start of a publishing program a miss: H200, 2026-12-02)."""
+    runs = [subprocess.run([sys.executable, "-c", _PUBLISHED_HLO], capture_output=True, text=True)
+            for _ in range(2)]
+    assert all(r.returncode == 0 for r in runs), [r.stderr[-2000:] for r in runs]
+    (a,), (b,) = ([r.stdout.splitlines()[-1]] for r in runs)
+    assert a == b and a.startswith("1 "), (a, b)
+
+
 def test_chain_detects_a_difference(setup):
     """A stage whose down_proj weights are one ulp off makes the chain say DIFFERENT."""
     chunk, program, pipeline, whole_pipe = setup
