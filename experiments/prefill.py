@@ -168,6 +168,7 @@ jax.monitoring.register_event_listener(
     if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses") else None)
 
 
+_RINGS = {}  # TokenRings by tokens a run: a program names its ring by an id taken in order
 PUBLISH = True  # --publish 0: the token through PjRt (copy_to_host_async), the A/B's other side
 
 
@@ -179,7 +180,9 @@ def _compile(fn, specs, rows, donate=(), token=None):
     as the runner's is (`Published`; every JAX system alike, unless --publish 0)."""
     ring = None
     if token is not None and PUBLISH and TokenRing.usable(jax.devices()[0]):
-        ring = TokenRing(token[1], jax.devices()[0])
+        if token[1] not in _RINGS:  # one ring a token count, created in the same order by a
+            _RINGS[token[1]] = TokenRing(token[1], jax.devices()[0])  # second start: the same ids
+        ring = _RINGS[token[1]]
         fn, specs = ring.wrap(fn, token[0]), [*specs, jax.ShapeDtypeStruct((1,), jnp.int32)]
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
