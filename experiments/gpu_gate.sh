@@ -96,6 +96,9 @@
 # on the GPU): 264 passed (78 / 48 / 138 in 203 / 180 / 284 s), after an 8k A/B, in a call of
 # 477 s; `cd $OUT && tar czf /tmp/all.tgz . && rm -rf $OUT/* && mv /tmp/all.tgz $OUT/` at the
 # end brings back everything as one file.
+# Twenty-second (`0c428ad`, `ad14d0b`): that call (build, chains beside the three groups) 367 and
+# 383 s; the whole table (`PROFILE= PREFILL_FLAGS="--max_seconds 400"`) 365 s on the warm machine;
+# 8k in chunks of 512 and one chunk after idle for 3 systems with the second start, 223 s warm.
 # They passed at `d91317b`, at `4273ad2` (GPU 0 of nvidia-h200-x2), at `614aef7`, at `322ffd3`
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
