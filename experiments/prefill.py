@@ -3,8 +3,8 @@ and Hugging Face transformers, at several prompt lengths and chunk sizes.
 
 For each system, prompt length S (`--prompts`) and chunk setting (`--chunks`; `whole` is the whole
 prompt in one chunk, and a chunk >= S is S): one untimed warm-up prefill of the whole prompt (after
-compiling, which is timed on its own), then `--iters` timed prefills of all S tokens, chunk after
-chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
+compiling, which is timed on its own), then `--iters` timed prefills of all S tokens (more for a
+short row: `--min_row_s` of them by the warm-up's time, at most 25), chunk after chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
 when the host has the token: for the JAX systems, read from the ring their program published it
 into after all its work (`kernjax.tokens`, as kernjax's runner reads it; `--publish 0`: after
 `block_until_ready` of every output), for transformers after `torch.cuda.synchronize()`. The
@@ -639,6 +639,7 @@ class Results:
             "time": now.isoformat(timespec="seconds"), "dirty": dirty,
             "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "model": cfg.name, "dtype": args.dtype, "iters": args.iters,
+            "idle": args.idle, "min_row_s": args.min_row_s,
             "backend": jax.default_backend(), "machine": machine(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
@@ -683,13 +684,14 @@ class Results:
                 say(f"plot failed: {one_line(e)}")
 
     def table(self) -> str:
-        lines = ["| system | prompt | chunk | ms | tok/s | MFU % | SM MHz, W |",
-                 "|---|---:|---:|---:|---:|---:|---:|"]
+        lines = ["| system | prompt | chunk | ms | tok/s | MFU % | SM MHz, W | runs |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|"]
         for r, x in zip(self.data["rows"], self.data["details"]):
             c = x.get("clock")
             lines.append(f"| {r['system']} | {r['prompt']} | {r['chunk']} | {r['ms']:.2f} | "
                          f"{r['tok_s']:.0f} | {100 * r['mfu']:.2f} | "
-                         + (f"{c['sm_mhz']:.0f}, {c['watts']:.0f} |" if c else "- |"))
+                         + (f"{c['sm_mhz']:.0f}, {c['watts']:.0f} |" if c else "- |")
+                         + f" {x.get('iters', '-')} |")
         return "\n".join(lines)
 
     def compile_table(self, key: str = "compile") -> str:
@@ -730,9 +732,11 @@ class Results:
                  f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
                  "- **Command:**", "", "```", d["command"], "```", "",
                  "## Result", "",
-                 f"{d['model']}, {d['dtype']}, random weights; median of {a.iters} timed "
-                 "prefills of the whole prompt after one untimed warm-up (ms = time to first "
-                 "token)" + (f", each after {a.idle:g} s idle" if a.idle else ", back to back")
+                 f"{d['model']}, {d['dtype']}, random weights; median of `runs` timed prefills "
+                 f"of the whole prompt ({a.iters}" + (f", or more for a short row: at least "
+                 f"{a.min_row_s:g} s of them by the warm-up's time, at most 25" if a.min_row_s
+                 else "") + ") after one untimed warm-up (ms = time to first token)"
+                 + (f", each after {a.idle:g} s idle" if a.idle else ", back to back")
                  + ". tok/s = S / time; MFU = FLOPs(S) / time / "
                  f"{a.peak / 1e12:.0f} TFLOP/s. SM MHz, W: the GPU's clock (median) and power "
                  "(mean) while the timed prefills ran (nvidia-smi every 100 ms, read only; its "
@@ -973,9 +977,10 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                     res.data["plain_attention"] = info["attention"]
                 worst_compile = max(worst_compile, res.data["compile"][-1]["total_s"])
             left = min(clock.left(), share_end - time.time())
-            iters = args.iters
+            # a short row gets more runs: --min_row_s of them (by the warm-up's time), up to 25
+            iters = max(args.iters, min(25, math.ceil(args.min_row_s / max(first, 1e-9))))
             if math.isfinite(left):
-                iters = max(1, min(args.iters, int(left // max(first + args.idle, 1e-9))))
+                iters = max(1, min(iters, int(left // max(first + args.idle, 1e-9))))
             times, spans, issue = [], [], []
             for _ in range(iters):
                 sysobj.reset(h)
@@ -1111,6 +1116,9 @@ def parse_args(argv=None):
     ap.add_argument("--chunks", default="512,2048,whole", help="chunk sizes; `whole` = S")
     ap.add_argument("--systems", default="all", help=f"comma-separated of {','.join(SYSTEMS)}")
     ap.add_argument("--iters", type=int, default=3, help="timed prefills per row (median)")
+    ap.add_argument("--min_row_s", type=float, default=0.5, help="a row whose warm-up took t "
+                    "seconds gets at least min_row_s / t timed prefills (at most 25): a 15 ms row's "
+                    "median of 3 moved by 5 %% between tables")
     ap.add_argument("--publish", type=int, default=1, help="1: every JAX system's program "
                     "publishes its token to the host itself, as kernjax's runner does "
                     "(`kernjax.tokens`), and a row's time ends when the host has it; 0: the "
@@ -1180,7 +1188,8 @@ def replot(out: Path) -> None:
     _, cfg = models.named(data["model"])
     res = Results.__new__(Results)
     res.out, res.cfg, res.data = out, cfg, data
-    res.args = argparse.Namespace(iters=data["iters"], peak=data["peak_flops"])
+    res.args = argparse.Namespace(iters=data["iters"], peak=data["peak_flops"],
+                                  idle=data.get("idle", 0.0), min_row_s=data.get("min_row_s", 0))
     res.write(plot=True)
     say(f"rewrote {out}/README.md and mfu.png from results.json")
 
@@ -1303,7 +1312,7 @@ def main():
                 x["clock"] = clocks.during(samples, [x["window"]]) if "window" in x else None
         res.write(plot=True)
         say(f"\nwrote {out}/results.json, README.md, mfu.png in {res.data['wall_s']:.0f} s")
-        say(f"{cfg.name} {args.dtype} on {res.data['gpu']}; median ms of {args.iters}, "
+        say(f"{cfg.name} {args.dtype} on {res.data['gpu']}; median ms of `runs`, "
             f"MFU of {args.peak / 1e12:.0f} TFLOP/s")
         say(res.table())
         if res.data["errors"]:

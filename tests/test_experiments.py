@@ -59,6 +59,9 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
         [(c["system"], c["rows"], [p["cache"] for p in c["parts"]]) for c in data["compile_second"]]
     assert "Second start" in (out / "README.md").read_text()
     assert "each after 0.01 s idle" in (out / "README.md").read_text()
+    # a short row is timed more often than --iters 1 asks (--min_row_s 0.5, at most 25 runs)
+    assert all(1 < d["iters"] <= 25 for d in data["details"]), [d["iters"] for d in data["details"]]
+    assert "| runs |" in (out / "README.md").read_text()
 
     prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
     calls = {c["call"]: c for c in prof["calls"]}
@@ -86,12 +89,14 @@ def test_prefill_benchmark_without_publishing_the_token(tmp_path):
     r = subprocess.run(
         [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
          "--prompts", "64", "--chunks", "whole", "--iters", "1", "--second_start", "",
-         "--profile", "", "--systems", "kernjax,jax-plain", "--publish", "0", "--out", str(out)],
+         "--profile", "", "--systems", "kernjax,jax-plain", "--publish", "0", "--min_row_s", "0",
+         "--out", str(out)],
         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["publish"] is False and data["errors"] == []
     assert len({d["token"] for d in data["details"]}) == 1 and len(data["details"]) == 2
+    assert [d["iters"] for d in data["details"]] == [1, 1]  # --min_row_s 0: --iters as given
 
 
 HLO = """HloModule jit_run, is_scheduled=true
