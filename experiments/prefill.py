@@ -4,7 +4,7 @@ and Hugging Face transformers, at several prompt lengths and chunk sizes.
 For each system, prompt length S (`--prompts`) and chunk setting (`--chunks`; `whole` is the whole
 prompt in one chunk, and a chunk >= S is S): one untimed warm-up prefill of the whole prompt (after
 compiling, which is timed on its own), then `--iters` timed prefills of all S tokens (more for a
-short row: `--min_row_s` of them by the warm-up's time, at most 25), chunk after chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
+short row: `--min_row_s` of them and their idle by the warm-up's time, at most 25), chunk after chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
 when the host has the token: for the JAX systems, read from the ring their program published it
 into after all its work (`kernjax.tokens`, as kernjax's runner reads it; `--publish 0`: after
 `block_until_ready` of every output), for transformers after `torch.cuda.synchronize()`. The
@@ -734,7 +734,7 @@ class Results:
                  "## Result", "",
                  f"{d['model']}, {d['dtype']}, random weights; median of `runs` timed prefills "
                  f"of the whole prompt ({a.iters}" + (f", or more for a short row: at least "
-                 f"{a.min_row_s:g} s of them by the warm-up's time, at most 25" if a.min_row_s
+                 f"{a.min_row_s:g} s of them and their idle by the warm-up's time, at most 25" if a.min_row_s
                  else "") + ") after one untimed warm-up (ms = time to first token)"
                  + (f", each after {a.idle:g} s idle" if a.idle else ", back to back")
                  + ". tok/s = S / time; MFU = FLOPs(S) / time / "
@@ -977,8 +977,9 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                     res.data["plain_attention"] = info["attention"]
                 worst_compile = max(worst_compile, res.data["compile"][-1]["total_s"])
             left = min(clock.left(), share_end - time.time())
-            # a short row gets more runs: --min_row_s of them (by the warm-up's time), up to 25
-            iters = max(args.iters, min(25, math.ceil(args.min_row_s / max(first, 1e-9))))
+            # a short row gets more runs: --min_row_s of them and their idle, at most 25
+            need = math.ceil(args.min_row_s / max(first + args.idle, 1e-9))
+            iters = max(args.iters, min(25, need))
             if math.isfinite(left):
                 iters = max(1, min(iters, int(left // max(first + args.idle, 1e-9))))
             times, spans, issue = [], [], []
@@ -1117,8 +1118,8 @@ def parse_args(argv=None):
     ap.add_argument("--systems", default="all", help=f"comma-separated of {','.join(SYSTEMS)}")
     ap.add_argument("--iters", type=int, default=3, help="timed prefills per row (median)")
     ap.add_argument("--min_row_s", type=float, default=0.5, help="a row whose warm-up took t "
-                    "seconds gets at least min_row_s / t timed prefills (at most 25): a 15 ms row's "
-                    "median of 3 moved by 5 %% between tables")
+                    "seconds gets at least min_row_s / (t + idle) timed prefills (at most 25): a "
+                    "15 ms row's median of 3 moved by 5 %% between tables")
     ap.add_argument("--publish", type=int, default=1, help="1: every JAX system's program "
                     "publishes its token to the host itself, as kernjax's runner does "
                     "(`kernjax.tokens`), and a row's time ends when the host has it; 0: the "
