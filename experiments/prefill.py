@@ -98,7 +98,7 @@ from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
 from kernjax.stage import export_stage  # noqa: E402
 from kernjax.trace import without_boundaries  # noqa: E402
 from kernjax import xla  # noqa: E402
-from kernjax.tokens import Published, Token, TokenRing  # noqa: E402
+from kernjax.tokens import Published, Token, TokenRing, ring as token_ring  # noqa: E402
 
 SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
 # The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
@@ -168,7 +168,6 @@ jax.monitoring.register_event_listener(
     if event in ("/jax/compilation_cache/cache_hits", "/jax/compilation_cache/cache_misses") else None)
 
 
-_RINGS = {}  # TokenRings by tokens a run: a program names its ring by an id taken in order
 PUBLISH = True  # --publish 0: the token through PjRt (copy_to_host_async), the A/B's other side
 
 
@@ -180,9 +179,7 @@ def _compile(fn, specs, rows, donate=(), token=None):
     as the runner's is (`Published`; every JAX system alike, unless --publish 0)."""
     ring = None
     if token is not None and PUBLISH and TokenRing.usable(jax.devices()[0]):
-        if token[1] not in _RINGS:  # one ring a token count, created in the same order by a
-            _RINGS[token[1]] = TokenRing(token[1], jax.devices()[0])  # second start: the same ids
-        ring = _RINGS[token[1]]
+        ring = token_ring(token[1], jax.devices()[0])  # the process's, as the runner's
         fn, specs = ring.wrap(fn, token[0]), [*specs, jax.ShapeDtypeStruct((1,), jnp.int32)]
     t = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=tuple(donate)).lower(*specs)
@@ -978,10 +975,10 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                 worst_compile = max(worst_compile, res.data["compile"][-1]["total_s"])
             left = min(clock.left(), share_end - time.time())
             # a short row gets more runs: --min_row_s of them and their idle, at most 25
-            need = math.ceil(args.min_row_s / max(first + args.idle, 1e-9))
-            iters = max(args.iters, min(25, need))
+            per_run = max(first + args.idle, 1e-9)
+            iters = max(args.iters, min(25, math.ceil(args.min_row_s / per_run)))
             if math.isfinite(left):
-                iters = max(1, min(iters, int(left // max(first + args.idle, 1e-9))))
+                iters = max(1, min(iters, int(left // per_run)))
             times, spans, issue = [], [], []
             for _ in range(iters):
                 sysobj.reset(h)

@@ -63,14 +63,12 @@ def _extension():
     try:
         ext = importlib.import_module("kernjax._ffi")
     except ImportError as e:
-        raise ExtensionError(
-            f"the kernjax._ffi extension could not be imported ({e}); {_REBUILD}"
-        ) from e
+        raise ExtensionError(f"the kernjax._ffi extension could not be imported ({e}); "
+                             f"{_REBUILD}") from e
     built = ext.jax_version()
     if built != jax.__version__:
-        raise ExtensionError(
-            f"kernjax._ffi was built against jax {built} but jax "
-            f"{jax.__version__} is running; {_REBUILD}")
+        raise ExtensionError(f"kernjax._ffi was built against jax {built} but jax "
+                             f"{jax.__version__} is running; {_REBUILD}")
     return ext
 
 
@@ -127,13 +125,11 @@ def _check_seq(seq):
 
 def _check_slot(slot) -> np.uint64:
     if isinstance(slot, jax.core.Tracer):
-        raise TypeError("mark: slot is an address fixed at trace time and must "
-                        "be a Python int, not a traced value")
+        raise TypeError("mark: slot is fixed at trace time: a Python int, not a traced value")
     try:
         slot = operator.index(slot)
     except TypeError:
-        raise TypeError(f"mark: slot must be an int address, got "
-                        f"{type(slot).__name__}") from None
+        raise TypeError(f"mark: slot must be an int address, got {type(slot).__name__}") from None
     if not 0 <= slot < 2**64:
         raise ValueError(f"mark: slot={slot} is not a 64-bit address")
     if slot % 4 and slot >= 64:  # below 64: an id bound by _ffi.bind_slot (csrc/kj.h)
@@ -144,22 +140,21 @@ def _check_slot(slot) -> np.uint64:
 def mark(x, seq, *, slot: int = 0, ring: int = 1):
     """Returns `x` unchanged and, when it runs, writes `seq` into `slot`.
 
-    x: any array; the output aliases it (input_output_aliases={0: 0}), so no
-      copy is made when XLA can reuse the buffer.
-    seq: the step's sequence number (a Python int), or an int32 array of it and
-      the values published with it. An operand, so it may change every step
-      without recompiling. seq[1:] is written to the slot's words 1.., then
-      seq[0] to word 0, so a reader that sees seq[0] sees the values.
-    slot: address of the int32 host slot, an id bound to one (`_ffi.bind_slot`,
-      1..63), or 0 for none. On CPU any writable,
-      aligned host memory will do; on GPU it must be pinned host memory mapped
-      into the device (cudaHostAlloc with cudaHostAllocMapped). The caller
-      keeps it alive while programs that use it may run.
-    ring: with ring > 1, `slot` holds that many entries of whole 64-byte lines
-      and this step writes entry seq[0] mod ring (kernjax/tokens.py).
+    x: any array; the output aliases it (input_output_aliases={0: 0}), so no copy is made when
+      XLA can reuse the buffer.
+    seq: the step's sequence number (a Python int), or an int32 array of it and the values
+      published with it. An operand, so it may change every step without recompiling. seq[1:]
+      is written to the slot's words 1.., then seq[0] to word 0, so a reader that sees seq[0]
+      sees the values.
+    slot: address of the int32 host slot, an id bound to one (`_ffi.bind_slot`, 1..63), or 0
+      for none. On CPU any writable, aligned host memory will do; on GPU it must be pinned host
+      memory mapped into the device (cudaHostAlloc with cudaHostAllocMapped). The caller keeps
+      it alive while programs that use it may run.
+    ring: with ring > 1, `slot` holds that many entries of whole 64-byte lines and this step
+      writes entry seq[0] mod ring (kernjax/tokens.py).
 
-    The op has a side effect, so XLA never removes or deduplicates it. It is
-    not differentiable and has no batching rule.
+    The op has a side effect, so XLA never removes or deduplicates it. It is not differentiable
+    and has no batching rule.
     """
     x, seq, attrs = _mark_args(x, seq, slot, ring)
     return jax.ffi.ffi_call("kj_mark", jax.ShapeDtypeStruct(x.shape, x.dtype),

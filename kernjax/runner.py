@@ -108,7 +108,7 @@ class Runner:
         specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
                  for s in (*art.inputs, *art.arrivals)]
         tok = [s for s in art.outputs if s.name == "next_token"]
-        self.ring = (tokens.TokenRing(int(np.prod(tok[0].shape)), self.device)
+        self.ring = (tokens.ring(int(np.prod(tok[0].shape)), self.device)
                      if tok and tokens.TokenRing.usable(self.device) else None)
         self.fn = self._compile(art.exported, specs, [s.name for s in (*art.departures,
                                                                        *art.outputs)], donate)

@@ -1,18 +1,16 @@
 """The first token on the host as soon as the device has it: the program publishes it itself.
 
-PjRt hands a program's output to the host through host callbacks: the device finishes, a driver
-thread wakes a PjRt thread, which issues the copy, whose end wakes another. On an H200 that
-added 1.4-1.6 ms to every prefill of the 4B model (2026-12-02, docs/bitwise.md): the GPU idle
-0.65 ms before the token's copy, and the host 0.9 ms after it. Here the program ends with
-`ffi.publish` (`mark` with no JAX effect), which writes the run's number and its tokens into a
-ring of host memory (pinned and mapped on a GPU) in stream order, after everything the run
-computes; the host waits on that word (`_ffi.wait_word`: a load from host memory, the GIL
-released, no driver call).
+PjRt hands outputs to the host through host callbacks: 1.4-1.6 ms of every 4B prefill on an H200
+(docs/bitwise.md). The program ends with `ffi.publish` (`mark`, no JAX effect): the run's number
+and tokens into a ring of host memory (pinned and mapped on a GPU) after all the run's work, in
+stream order; the host waits on that word (`_ffi.wait_word`: GIL released, no driver call).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +22,18 @@ _IDS = iter(range(1, 64))  # kj_mark's slot ids in this process (csrc/kj.h)
 RING = 64  # entries: runs in flight at once (a pipeline holds a few) before one is written over
 
 
+@functools.cache
+def ring(n: int, device: jax.Device) -> TokenRing:
+    """The process's ring for `n` tokens a run: its id (in the HLO) follows no program count."""
+    return TokenRing(n, device)
+
+
 class TokenRing:
-    """Where one runner's programs publish `n` tokens a run (`wrap`), and how it reads them."""
+    """Where programs publish `n` tokens a run (`wrap`), and how the host reads them (`ring`)."""
 
     def __init__(self, n: int, device: jax.Device):
         self.n, self.stride, self.runs = n, -(-4 * (n + 1) // 64) * 64, 0
+        self.lock = threading.Lock()  # `ring`'s are shared: the runners of one process, say
         ext = ffi._extension()
         # held for the process's life: a program issued before a close may still write it
         self.addr = ext.host_alloc(RING * self.stride, mapped=device.platform != "cpu")
@@ -56,8 +61,9 @@ class TokenRing:
 
     def next(self) -> np.ndarray:
         """The next run's number, the operand `wrap`'s program takes."""
-        self.runs = self.runs % (2**31 - 2) + 1
-        return np.asarray([self.runs], np.int32)
+        with self.lock:
+            self.runs = self.runs % (2**31 - 2) + 1
+            return np.asarray([self.runs], np.int32)
 
 
 class Published:
