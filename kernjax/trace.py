@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -126,18 +127,41 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     lets it compile the body fully.
     """
     jp = closed.jaxpr
-    fenced = [_fenced(e) if platform in GPU_PLATFORMS else _on_cpu(e) for e in jp.eqns]
+    gpu = platform in GPU_PLATFORMS
+    fenced = [_fenced(e) if gpu else _on_cpu(e) for e in jp.eqns]
+    cuts = graph_cuts(len(jp.eqns)) if gpu else set()
+    if cuts:
+        from kernjax import ffi
 
     def run(*args):
         env = dict(zip(jp.constvars, closed.consts)) | dict(zip(jp.invars, args))
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-        for e, f in zip(jp.eqns, fenced):
-            for v, x in zip(e.outvars, f(*map(read, e.invars))):
-                if not isinstance(v, jex.DropVar):
-                    env[v] = x
+        for i, (e, f) in enumerate(zip(jp.eqns, fenced)):
+            outs = [(v, x) for v, x in zip(e.outvars, f(*map(read, e.invars)))
+                    if not isinstance(v, jex.DropVar)]
+            if i in cuts and outs:  # its smallest result through a no-op the graphs stop at
+                j = min(range(len(outs)), key=lambda k: outs[k][1].size)
+                outs[j] = outs[j][0], ffi.publish(outs[j][1], 0, slot=0)
+            env.update(outs)
         return [read(v) for v in jp.outvars]
 
     return run
+
+
+GRAPH_SEGMENTS = (1, 4, 16)
+
+
+def graph_cuts(calls: int) -> set[int]:
+    """The calls of a GPU program after which XLA's CUDA graph ends and the next begins: three
+    graphs of 1, 4 and 16 parts of its calls. A graph's host work before its first kernel (XLA
+    updating it for the run's buffers) then hides behind the graph before, but for the first,
+    small one: one graph a program made the whole program's first chunk 1.2 ms late at 512 rows
+    (docs/bitwise.md). The cut is `ffi.publish` with no slot, an identity with no kernel, which
+    XLA keeps outside its graphs; `KERNJAX_GRAPH_CUTS=0` leaves one graph."""
+    if os.environ.get("KERNJAX_GRAPH_CUTS") == "0":
+        return set()
+    total, ends = sum(GRAPH_SEGMENTS), np.cumsum(GRAPH_SEGMENTS)[:-1]
+    return {round(calls * int(e) / total) - 1 for e in ends} - {-1}
 
 
 _MOVES = {"reshape", "broadcast_in_dim", "concatenate", "convert_element_type", "scatter",

@@ -23,7 +23,7 @@ from jax import export
 
 from kernjax.cut import CutError, cut, describe, whole
 from kernjax.stage import export_stage
-from kernjax.trace import Slot, TraceError, call, trace
+from kernjax.trace import Slot, TraceError, call, graph_cuts, trace
 
 V = Slot("", "", "float32", (2,))
 
@@ -236,6 +236,18 @@ def test_calls_lower_per_platform_from_one_jaxpr():
     gpu = export_stage(stage, "cuda").mlir_module()
     assert cpu.count('inlineable = "xla_late"') >= 6 and "optimization_barrier" not in cpu
     assert gpu.count("stablehlo.optimization_barrier") == 2 * 6 and "xla_late" not in gpu
+
+
+def test_a_gpu_program_runs_as_three_cuda_graphs(monkeypatch):
+    """On a GPU a program's calls after n/21 and 5n/21 of its n calls end in a no-op custom call
+    that XLA keeps outside its CUDA graphs (`trace.graph_cuts`): three graphs, the first small,
+    so the others' host work hides behind it. None on the CPU, none with KERNJAX_GRAPH_CUTS=0."""
+    assert graph_cuts(436) == {20, 103} and graph_cuts(6) == {0} and graph_cuts(2) == set()
+    stage = whole(_chain())
+    gpu = export_stage(stage, "cuda").mlir_module()
+    assert gpu.count("@kj_mark") == 1 and "@kj_mark" not in export_stage(stage, "cpu").mlir_module()
+    monkeypatch.setenv("KERNJAX_GRAPH_CUTS", "0")
+    assert "@kj_mark" not in export_stage(stage, "cuda").mlir_module()
 
 
 # --- numeric twin ---------------------------------------------------------------------------
