@@ -188,8 +188,8 @@ def test_unbound_edges_and_wrong_sizes_are_refused():
 
 def test_the_whole_program_calls_no_edge_op_and_a_stage_calls_all(built):
     program, _ = built
-    text = artifacts.export_stage(whole(program)).mlir_module()
-    assert "kj_" not in text
+    text = artifacts.export_stage(whole(program)).mlir_module()  # on a GPU kj_mark cuts graphs
+    assert not any(f"kj_{op}" in text for op in ("hold", "recv", "push", "post"))
     s0, s1 = cut(program, [14])
     t0 = artifacts.export_stage(s0, edged=True).mlir_module()
     t1 = artifacts.export_stage(s1, edged=True).mlir_module()
