@@ -29,6 +29,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
+import sys
 from pathlib import Path
 
 
@@ -45,21 +47,33 @@ def cache_root() -> Path:
 
 
 def autotune_dir() -> Path:
-    return cache_root() / "autotune"
+    """The directory XLA's autotune results go to: the one `XLA_FLAGS` names (a parent's, say,
+    inherited), else `autotune/` under `cache_root()`."""
+    m = re.search(r"--xla_gpu_per_fusion_autotune_cache_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    return Path(m.group(1)) if m else cache_root() / "autotune"
 
 
 def configure() -> None:
-    """Sets the XLA flags and the compilation cache; a no-op for what the user set already."""
-    flags = os.environ.get("XLA_FLAGS", "")
+    """Sets the XLA flags and the compilation cache; a no-op for what the user set already. What
+    a kernjax parent set (`KERNJAX_XLA_SET`, inherited with its environment) is not the user's:
+    this process's own cache (`KERNJAX_XLA_CACHE`, say) replaces it."""
+    flag, cache = (os.environ.get("KERNJAX_XLA_SET") or "\n").split("\n")
+    flags = os.environ.get("XLA_FLAGS", "").replace(flag, "")
+    if cache and os.environ.get("JAX_COMPILATION_CACHE_DIR") == cache:
+        del os.environ["JAX_COMPILATION_CACHE_DIR"]
+    flag, cache = "", ""
     if "autotune_cache_dir" not in flags:
-        flags += f" --xla_gpu_per_fusion_autotune_cache_dir={autotune_dir()}"
+        flag = f"--xla_gpu_per_fusion_autotune_cache_dir={cache_root() / 'autotune'}"
+        flags += " " + flag
     if "xla_disable_hlo_passes" not in flags:
         flags += " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
-    import jax
-
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
+    jax = sys.modules.get("jax")  # unimported, it reads the variable: a shell parses flags first
+    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax is None:
+        cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / "jax")
+    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    os.environ["KERNJAX_XLA_SET"] = f"{flag}\n{cache}"
 
 
 GRAPHS_BELOW_ROWS = 1024  # a 4B model on an H200 (above); a smaller model's crossover lies higher

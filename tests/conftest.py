@@ -1,17 +1,20 @@
-"""Shared fixtures: a private checkpoint cache, and the 7 chain prompts."""
+"""Per-run caches (never the user's), and shared helpers: the 7 chain prompts, a tokenizer."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import numpy as np
-import pytest
 
 
-@pytest.fixture(scope="session", autouse=True)
-def _cache(tmp_path_factory):
-    """Random checkpoints go to a per-run cache, never the user's."""
-    os.environ["KERNJAX_CACHE"] = str(tmp_path_factory.mktemp("kjcache"))
+def pytest_configure(config):
+    """Random checkpoints and XLA's caches go to a per-run cache, never the user's: set before any
+    test module imports kernjax, which points XLA at its cache then (`kernjax/xla.py`)."""
+    os.environ["KERNJAX_CACHE"] = tempfile.mkdtemp(prefix="kjcache-")
+    atexit.register(shutil.rmtree, os.environ["KERNJAX_CACHE"], ignore_errors=True)
 
 
 def prompts(chunk: int, vocab: int) -> list[list[int]]:

@@ -6,6 +6,7 @@ may pick, and round, differently. On the CPU it checks the same path with nothin
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -13,13 +14,16 @@ import jax
 import numpy as np
 
 from kernjax import weights as ckpts
+from kernjax import xla
 
 
 def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     gpu = jax.default_backend() == "gpu"
     model, at, chunk, n = ("qwen3-0.6b", "14", 512, 1300) if gpu else ("qwen3-tiny", "2", 64, 150)
     ckpts.random_checkpoint(model, seed=0, dtype="bfloat16")  # made once, before the processes
-    env = {**os.environ, "KERNJAX_XLA_CACHE": str(tmp_path / "xla")}
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    env |= {"KERNJAX_XLA_CACHE": str(tmp_path / "xla"),  # empty, not this process's (inherited)
+            "XLA_FLAGS": re.sub(AUTOTUNE, "", os.environ.get("XLA_FLAGS", ""))}
     py = [sys.executable, "-m"]
     subprocess.run([*py, "kernjax.cut", "--model", model, "--dtype", "bfloat16", "--at", at,
                     "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
@@ -45,5 +49,19 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     for g in got[1:]:
         assert g["logits"].tobytes() == got[0]["logits"].tobytes()
         assert g["token"] == got[0]["token"]
-    if gpu:
-        assert any((tmp_path / "xla" / "autotune").rglob("*")), "no autotune result was shared"
+    assert any((tmp_path / "xla" / "jax").iterdir()), "the programs were not compiled into the cache"
+    if gpu:  # the lock file is there whatever XLA did
+        assert any(p.is_file() and p.name != ".lock" for p in (tmp_path / "xla" / "autotune")
+                   .rglob("*")), "no autotune result was shared"
+
+
+AUTOTUNE = r"--xla_gpu_per_fusion_autotune_cache_dir=\S+"
+
+
+def test_the_compile_lock_guards_the_directory_xla_writes_to(monkeypatch, tmp_path):
+    """A child inherits its parent's XLA_FLAGS: its lock must be on the directory those name."""
+    monkeypatch.setenv("KERNJAX_XLA_CACHE", str(tmp_path / "own"))
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_foo=1 --xla_gpu_per_fusion_autotune_cache_dir={tmp_path}/p")
+    assert xla.autotune_dir() == tmp_path / "p"
+    monkeypatch.setenv("XLA_FLAGS", re.sub(AUTOTUNE, "", os.environ["XLA_FLAGS"]))
+    assert xla.autotune_dir() == tmp_path / "own" / "autotune"
