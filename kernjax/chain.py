@@ -6,6 +6,11 @@ must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
+    from kernjax import cli
+
+    cli.run(cli.chain_main)
+
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -79,8 +84,3 @@ def read_prompts(path) -> list[list[int]]:
         raise ValueError(f"{path} holds no prompt")
     return out
 
-
-if __name__ == "__main__":
-    from kernjax import cli
-
-    cli.run(cli.chain_main)

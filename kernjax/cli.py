@@ -56,15 +56,9 @@ def run(main_def) -> None:
                 _fail((f"unexpected arguments {extra}; " if extra else "") + (
                     f"the verb is {verbs[0]}, " if verbs else "") + "every option is a --flag "
                     "(see --help)")
-            from kernjax.cut import CutError
-            from kernjax.runner import StageError
-            from kernjax.stage import ArtifactError
-            from kernjax.trace import TraceError
-            from kernjax.weights import WeightError
-            try:
+            try:  # kernjax's own errors (CutError, StageError, ...) are ValueError or RuntimeError
                 return main(extra) if takes else main()
-            except (CutError, StageError, ArtifactError, TraceError, WeightError, ValueError,
-                    RuntimeError, OSError) as e:
+            except (ValueError, RuntimeError, OSError) as e:
                 _fail(str(e))
             except MemoryError as e:  # states sized past the host's memory, say
                 _fail(f"out of memory: {e}; lower --pages, --seqs or --context")
@@ -454,16 +448,20 @@ prompt's length and its first token."""
     flags.DEFINE_string("save", None, "write logits (last row, float32) and token to FILE.npz")
 
     def main():
+        if (FLAGS.prompt is None) == (FLAGS.tokens is None):
+            raise ValueError("give exactly one of --prompt TEXT or --tokens \"1 2 3\"")
+        if FLAGS.stages and FLAGS.model:
+            raise ValueError("--stages names the model already; drop --model")
+        save = FLAGS.save and (FLAGS.save if FLAGS.save.endswith(".npz") else FLAGS.save + ".npz")
+        if save and not os.access(Path(save).parent, os.W_OK):  # before the prefill, not after
+            raise OSError(f"--save {FLAGS.save}: cannot write `{save}` (" + ("Permission denied)"
+                          if Path(save).parent.is_dir() else "No such file or directory)"))
         import numpy as np
         from kernjax import stage as artifacts
         from kernjax.cut import counted
         from kernjax.run import Pipeline
         from kernjax.runner import Runner, checkpoint_dir, load_weights
-        if (FLAGS.prompt is None) == (FLAGS.tokens is None):
-            raise ValueError("give exactly one of --prompt TEXT or --tokens \"1 2 3\"")
         if FLAGS.stages:
-            if FLAGS.model:
-                raise ValueError("--stages names the model already; drop --model")
             sd = Path(FLAGS.stages)
             m = artifacts.read(sd / stage_names(sd)[0]).manifest
             ref_dir = _stages_checkpoint(sd, stage_names(sd))
@@ -490,8 +488,7 @@ prompt's length and its first token."""
         print(f"prompt: {counted(len(tokens), 'token')}; first token: {token}"
               + (f" {text!r}" if text is not None else "")
               + f" ({time.time() - t0:.2f} s, compile included)")
-        if FLAGS.save:
-            save = FLAGS.save if FLAGS.save.endswith(".npz") else FLAGS.save + ".npz"  # as numpy
+        if save:
             try:
                 np.savez(save, logits=logits, token=np.int32(token))
             except OSError as e:

@@ -23,6 +23,11 @@ the call. Pure: jaxprs and ints in, data out; no devices, files or clocks.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
+    from kernjax import cli
+
+    cli.run(cli.cut_main)
+
 import dataclasses
 from collections.abc import Sequence
 
@@ -297,8 +302,3 @@ def describe(program: Program, stages: Sequence[Stage]) -> str:
     lines.append(f"cut `{stages[0].cut_id}` into {len(stages)} stages")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    from kernjax import cli
-
-    cli.run(cli.cut_main)

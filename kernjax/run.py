@@ -7,6 +7,11 @@ are the result. A pipeline of one stage is the whole program. `python -m kernjax
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
+    from kernjax import cli
+
+    cli.run(cli.run_main)
+
 from collections.abc import Sequence
 
 import numpy as np
@@ -68,8 +73,3 @@ def check_prompt(tokens: Sequence[int], shape, chunk: int) -> None:
         raise ValueError(f"the prompt needs {counted(-(-len(tokens) // shape.page), 'page')}; "
                          f"the states hold {shape.pages - 1}")
 
-
-if __name__ == "__main__":
-    from kernjax import cli
-
-    cli.run(cli.run_main)

@@ -16,6 +16,11 @@ A named model's random checkpoint is made once into a cache directory (`$KERNJAX
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
+    from kernjax import cli
+
+    cli.run(cli.weights_main)
+
 import dataclasses
 import hashlib
 import json
@@ -338,8 +343,3 @@ def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> 
         write_tokenizer(path, cfg.vocab)
     return path
 
-
-if __name__ == "__main__":
-    from kernjax import cli
-
-    cli.run(cli.weights_main)
