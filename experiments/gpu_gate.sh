@@ -209,7 +209,7 @@ for step in "$@"; do
       tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py}}"
     pids=()
     for g in "${!groups[@]}"; do
-      timeout -s INT -k 60 "${TEST_SECONDS:-900}" python -m pytest -q -rfEs -p no:cacheprovider \
+      timeout -s INT -k 60 "${TEST_SECONDS:-900}" python -m pytest -q -rfEsx -p no:cacheprovider \
         --basetemp="/tmp/kj-tests$g" ${groups[$g]} > "$OUT/logs/tests${g/#0/}.log" 2>&1 &
       pids+=($!)
     done

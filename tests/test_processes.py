@@ -34,10 +34,12 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     (tmp_path / "w" / "stage0").symlink_to(tmp_path / "cut" / "whole")
     tokens = " ".join(map(str, np.random.default_rng(1).integers(0, 500, n)))
 
-    def start(stages, save):
+    def start(stages, save):  # on a GPU each program's autotune results also dumped, to read
+        dump = f" --xla_gpu_dump_autotune_results_to={tmp_path}/tuned-{stages}.txt" if gpu else ""
         return subprocess.Popen([*py, "kernjax.run", "--stages", str(tmp_path / stages), "--tokens",
                                  tokens, "--chunk", str(chunk), "--save", str(tmp_path / save)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                                env={**env, "XLA_FLAGS": env["XLA_FLAGS"] + dump},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait(p):
         out, _ = p.communicate(timeout=600)
@@ -57,7 +59,9 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     # is not sharing; said here as an expected failure until that is understood (roadmap K6).
     tuned = [p for p in (tmp_path / "xla" / "autotune").rglob("*") if p.name != ".lock"]
     if gpu and not tuned:
-        pytest.xfail("the bytes agree; XLA wrote no autotune result to share (docs/bitwise.md)")
+        dumped = {p.name: p.read_text().count("results {") for p in tmp_path.glob("tuned-*")}
+        pytest.xfail("the bytes agree; XLA wrote no autotune result to share (docs/bitwise.md); "
+                     f"results it dumped: {dumped}")
 
 
 AUTOTUNE = r"--xla_gpu_per_fusion_autotune_cache_dir=\S+"
