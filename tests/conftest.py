@@ -17,6 +17,16 @@ def pytest_configure(config):
     atexit.register(shutil.rmtree, os.environ["KERNJAX_CACHE"], ignore_errors=True)
 
 
+# The longest files first (CPU seconds, 2026-12-02): with `--dist loadfile` each worker takes the
+# next file when it is free, so the long ones started last no longer set the suite's end.
+LONGEST = ["test_experiments.py", "test_serve.py", "test_k3.py", "test_cli.py", "test_chain.py",
+           "test_attention_hopper.py", "test_cut.py", "test_serve_link.py"]
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda it: LONGEST.index(it.path.name) if it.path.name in LONGEST else 99)
+
+
 def prompts(chunk: int, vocab: int) -> list[list[int]]:
     """Seven prompts from 1 to 2049 tokens: 1, chunk-1, chunk, chunk+1, and three more."""
     rng = np.random.default_rng(chunk)
