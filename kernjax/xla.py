@@ -58,7 +58,7 @@ def configure() -> None:
     """Sets the XLA flags and the compilation cache; a no-op for what the user set already. What
     a kernjax parent set (`KERNJAX_XLA_SET`, inherited with its environment) is not the user's:
     this process's own cache (`KERNJAX_XLA_CACHE`, say) replaces it."""
-    flag, cache = (os.environ.get("KERNJAX_XLA_SET") or "\n").split("\n")
+    flag, cache = (os.environ.get("KERNJAX_XLA_SET", "") + "\n\n").split("\n")[:2]
     flags = os.environ.get("XLA_FLAGS", "").replace(flag, "")
     if cache and os.environ.get("JAX_COMPILATION_CACHE_DIR") == cache:
         del os.environ["JAX_COMPILATION_CACHE_DIR"]

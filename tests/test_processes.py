@@ -6,6 +6,7 @@ bytes agree and XLA wrote nothing to that cache. On the CPU: the same path, noth
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -74,3 +75,32 @@ def test_the_compile_lock_guards_the_directory_xla_writes_to(monkeypatch, tmp_pa
     assert xla.autotune_dir() == tmp_path / "p"
     monkeypatch.setenv("XLA_FLAGS", re.sub(AUTOTUNE, "", os.environ["XLA_FLAGS"]))
     assert xla.autotune_dir() == tmp_path / "own" / "autotune"
+
+
+
+def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
+    """What a kernjax parent set for its cache is inherited, not chosen: a child given a cache of
+    its own (`KERNJAX_XLA_CACHE`) uses it, one not given one keeps the parent's, and what the user
+    set stays (importing kernjax imports no jax, so each child costs a fraction of a second)."""
+    keys = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "KERNJAX_XLA_SET")
+    base = {k: v for k, v in os.environ.items() if k not in keys}
+
+    def child(cache, **env):
+        code = f"import json, os, kernjax; print(json.dumps([os.environ.get(k) for k in {keys}]))"
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=base | {"KERNJAX_XLA_CACHE": str(tmp_path / cache)} | env)
+        assert p.returncode == 0, p.stderr
+        return dict(zip(keys, json.loads(p.stdout)))
+
+    def uses(got, at, jax_dir):
+        return re.findall(AUTOTUNE, got["XLA_FLAGS"]) == [
+            f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / at}"] and \
+            got["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / jax_dir)
+
+    parent = child("p")
+    assert uses(parent, "p/autotune", "p/jax"), parent
+    assert uses(child("c", **parent), "c/autotune", "c/jax")
+    assert uses(child("p", **parent), "p/autotune", "p/jax")
+    user = parent | {"XLA_FLAGS": f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path}/u",
+                     "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "uj")}
+    assert uses(child("c", **user), "u", "uj")
