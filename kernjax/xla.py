@@ -7,7 +7,7 @@ every process of a cut, and compiled programs kept across restarts.
   XLA's per-fusion autotune cache is one directory per machine (`autotune/` under
   `cache_root()`); the first process to compile a fusion writes its choice, every later one
   reads it, under an exclusive file lock (`compile_lock`). On an H200 (jax 0.11.2) XLA wrote
-  nothing there for qwen3-0.6b's programs, whose processes agreed anyway (docs/bitwise.md).
+  nothing there for a 0.6B model's programs, whose processes agreed anyway (docs/bitwise.md).
 - **No dot merging.** XLA's dot merger joins GEMMs that share an operand (gate and up; q, k, v)
   below 16 M elements (512 rows, not 8192) over the weights concatenated: a copy of ~100 MB of
   weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
