@@ -148,12 +148,16 @@ def main_layer(a, rows):
 
 
 def main():
+    global D, Q, KV, F
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--layer", action="store_true", help="the model's GEMM calls, one by one")
     ap.add_argument("--pallas", action="store_true", help="with --layer: JAX's Mosaic GPU matmul too")
+    ap.add_argument("--sizes", default=f"{D},{Q},{KV},{F}",
+                    help="hidden, q heads x 128, kv heads x 128, MLP (default qwen3-4b's)")
     a = ap.parse_args()
+    D, Q, KV, F = (int(x) for x in a.sizes.split(","))
     print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     if a.layer:
         return main_layer(a, [int(x) for x in a.rows.split(",")])
