@@ -456,17 +456,18 @@ prompt's length and its first token."""
         if save and not os.access(Path(save).parent, os.W_OK):  # before the prefill, not after
             raise OSError(f"--save {FLAGS.save}: cannot write `{save}` (" + ("Permission denied)"
                           if Path(save).parent.is_dir() else "No such file or directory)"))
+        sd = Path(FLAGS.stages or ".")
+        names = stage_names(sd) if FLAGS.stages else []
         import numpy as np
         from kernjax import stage as artifacts
         from kernjax.cut import counted
         from kernjax.run import Pipeline
         from kernjax.runner import Runner, checkpoint_dir, load_weights
         if FLAGS.stages:
-            sd = Path(FLAGS.stages)
-            m = artifacts.read(sd / stage_names(sd)[0]).manifest
-            ref_dir = _stages_checkpoint(sd, stage_names(sd))
+            m = artifacts.read(sd / names[0]).manifest
+            ref_dir = _stages_checkpoint(sd, names)
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
-            pipe = _pipeline(sd, stage_names(sd), dtype=FLAGS.dtype, weights_dir=ref_dir,
+            pipe = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=ref_dir,
                              cache={})
         else:
             fam, cfg, ref, dtype = source()
