@@ -456,14 +456,14 @@ prompt's length and its first token."""
         if save and not os.access(Path(save).parent, os.W_OK):  # before the prefill, not after
             raise OSError(f"--save {FLAGS.save}: cannot write `{save}` (" + ("Permission denied)"
                           if Path(save).parent.is_dir() else "No such file or directory)"))
-        sd = Path(FLAGS.stages or ".")
-        names = stage_names(sd) if FLAGS.stages else []
+        sd = FLAGS.stages and Path(FLAGS.stages)
+        names = sd and stage_names(sd)
         import numpy as np
         from kernjax import stage as artifacts
         from kernjax.cut import counted
         from kernjax.run import Pipeline
         from kernjax.runner import Runner, checkpoint_dir, load_weights
-        if FLAGS.stages:
+        if sd:
             m = artifacts.read(sd / names[0]).manifest
             ref_dir = _stages_checkpoint(sd, names)
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])

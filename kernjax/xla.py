@@ -47,10 +47,13 @@ def cache_root() -> Path:
     return cache_dir() / "xla"
 
 
+AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
+
+
 def autotune_dir() -> Path:
     """The directory XLA's autotune results go to: the one `XLA_FLAGS` names (a parent's, say,
     inherited), else `autotune/` under `cache_root()`."""
-    m = re.search(r"--xla_gpu_per_fusion_autotune_cache_dir=(\S+)", os.environ.get("XLA_FLAGS", ""))
+    m = re.search(rf"{AUTOTUNE_FLAG}=(\S+)", os.environ.get("XLA_FLAGS", ""))
     return Path(m.group(1)) if m else cache_root() / "autotune"
 
 
@@ -64,15 +67,17 @@ def configure() -> None:
         del os.environ["JAX_COMPILATION_CACHE_DIR"]
     flag, cache = "", ""
     if "autotune_cache_dir" not in flags:
-        flag = f"--xla_gpu_per_fusion_autotune_cache_dir={cache_root() / 'autotune'}"
+        flag = f"{AUTOTUNE_FLAG}={cache_root() / 'autotune'}"
         flags += " " + flag
     if "xla_disable_hlo_passes" not in flags:
         flags += " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
     jax = sys.modules.get("jax")  # unimported, it reads the variable: a shell parses flags first
-    if not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax is None:
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        pass
+    elif jax is None:
         cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / "jax")
-    elif not os.environ.get("JAX_COMPILATION_CACHE_DIR") and jax.config.jax_compilation_cache_dir is None:
+    elif jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
     os.environ["KERNJAX_XLA_SET"] = f"{flag}\n{cache}"
 

@@ -24,9 +24,8 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     gpu = jax.default_backend() == "gpu"
     model, at, chunk, n = ("qwen3-0.6b", "14", 512, 1300) if gpu else ("qwen3-tiny", "2", 64, 150)
     ckpts.random_checkpoint(model, seed=0, dtype="bfloat16")  # made once, before the processes
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    env |= {"KERNJAX_XLA_CACHE": str(tmp_path / "xla"),  # empty, not this process's (inherited)
-            "XLA_FLAGS": re.sub(AUTOTUNE, "", os.environ.get("XLA_FLAGS", ""))}
+    # an empty cache: what this process's kernjax set is replaced in the children (xla.configure)
+    env = {**os.environ, "KERNJAX_XLA_CACHE": str(tmp_path / "xla")}
     py = [sys.executable, "-m"]
     subprocess.run([*py, "kernjax.cut", "--model", model, "--dtype", "bfloat16", "--at", at,
                     "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
@@ -39,7 +38,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
         dump = f" --xla_gpu_dump_autotune_results_to={tmp_path}/tuned-{stages}.txt" if gpu else ""
         return subprocess.Popen([*py, "kernjax.run", "--stages", str(tmp_path / stages), "--tokens",
                                  tokens, "--chunk", str(chunk), "--save", str(tmp_path / save)],
-                                env={**env, "XLA_FLAGS": env["XLA_FLAGS"] + dump},
+                                env={**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + dump},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait(p):
@@ -65,17 +64,16 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
                      f"results it dumped: {dumped}")
 
 
-AUTOTUNE = r"--xla_gpu_per_fusion_autotune_cache_dir=\S+"
+AUTOTUNE = rf"{xla.AUTOTUNE_FLAG}=\S+"
 
 
 def test_the_compile_lock_guards_the_directory_xla_writes_to(monkeypatch, tmp_path):
     """A child inherits its parent's XLA_FLAGS: its lock must be on the directory those name."""
     monkeypatch.setenv("KERNJAX_XLA_CACHE", str(tmp_path / "own"))
-    monkeypatch.setenv("XLA_FLAGS", f"--xla_foo=1 --xla_gpu_per_fusion_autotune_cache_dir={tmp_path}/p")
+    monkeypatch.setenv("XLA_FLAGS", f"--xla_foo=1 {xla.AUTOTUNE_FLAG}={tmp_path}/p")
     assert xla.autotune_dir() == tmp_path / "p"
     monkeypatch.setenv("XLA_FLAGS", re.sub(AUTOTUNE, "", os.environ["XLA_FLAGS"]))
     assert xla.autotune_dir() == tmp_path / "own" / "autotune"
-
 
 
 def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
@@ -93,14 +91,13 @@ def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
         return dict(zip(keys, json.loads(p.stdout)))
 
     def uses(got, at, jax_dir):
-        return re.findall(AUTOTUNE, got["XLA_FLAGS"]) == [
-            f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path / at}"] and \
+        return re.findall(AUTOTUNE, got["XLA_FLAGS"]) == [f"{xla.AUTOTUNE_FLAG}={tmp_path / at}"] and \
             got["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / jax_dir)
 
     parent = child("p")
     assert uses(parent, "p/autotune", "p/jax"), parent
     assert uses(child("c", **parent), "c/autotune", "c/jax")
     assert uses(child("p", **parent), "p/autotune", "p/jax")
-    user = parent | {"XLA_FLAGS": f"--xla_gpu_per_fusion_autotune_cache_dir={tmp_path}/u",
+    user = parent | {"XLA_FLAGS": f"{xla.AUTOTUNE_FLAG}={tmp_path}/u",
                      "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "uj")}
     assert uses(child("c", **user), "u", "uj")
