@@ -338,6 +338,26 @@ def test_peritem_and_gemms_run_on_the_cpu():
             assert len(issued) == rows and all(float(v) > 0 for x in issued for v in x), r.stdout
 
 
+def test_autotune_probe_runs_on_the_cpu_and_reads_xla_kernel_choices(tmp_path):
+    """experiments/autotune.py times each GEMM under each flag set in a process of its own, and
+    reads the kernels XLA chose from its optimized HLO (here a GPU's, written by hand)."""
+    import autotune
+
+    (tmp_path / "module_0001.jit_qkv_512.sm_9.0_gpu_after_optimizations.txt").write_text(
+        '  %c = custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", '
+        'backend_config={"gemm_backend_config":{"selected_algorithm":"7"}}\n'
+        '  %f = fusion(%a), kind=kCustom, backend_config={"fusion_backend_config":{"kind":'
+        '"__triton_gemm","triton_gemm_config":{"block_m":"64","block_n":"128","block_k":"32"}}}\n')
+    assert autotune.kernels(tmp_path) == {"qkv_512": ["__cublas$lt$matmul[7]", "triton_gemm[64x128x32]"]}
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "autotune.py"), "--rows", "8",
+                        "--iters", "1", "--sizes", "256,512,128,768"], capture_output=True,
+                       text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    rows = [x.split("|") for x in r.stdout.splitlines() if x.startswith("| ") and "| 8 |" in x]
+    assert len(rows) == 12 and all(float(x[4]) > 0 for x in rows), r.stdout
+    assert "two processes with kernjax's flags chose the same kernels: True" in r.stdout, r.stdout
+
+
 def _instr(name, what, call):
     op = {"fusion": "fusion(%a), kind=kLoop, calls=%fused_computation.1",
           "gemm": 'custom-call(%a), custom_call_target="__cublas$gemm"'}[what]
