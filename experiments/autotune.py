@@ -30,11 +30,11 @@ D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv head
 
 
 def child(rows: list[int], iters: int) -> dict:
-    sys.path.insert(0, str(HERE.parents[1]))
+    sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
     import kernjax  # noqa: F401,E402  (its XLA flags: no dot merger, the autotune cache)
     import jax
     import jax.numpy as jnp
-    import numpy as np
+    from gemms import timed  # the median of 5 rounds of `iters` runs, in ms
     from models.qwen3 import linear
 
     fence = jax.lax.optimization_barrier
@@ -54,15 +54,7 @@ def child(rows: list[int], iters: int) -> dict:
             t = time.perf_counter()
             run = jax.jit(f).lower(*args).compile()
             compile_s = time.perf_counter() - t
-            jax.block_until_ready(run(*args))
-            ts = []
-            for _ in range(5):
-                t = time.perf_counter()
-                for _ in range(iters):
-                    y = run(*args)
-                jax.block_until_ready(y)
-                ts.append((time.perf_counter() - t) / iters)
-            ms = 1e3 * float(np.median(ts))
+            ms = timed(run, args, iters)
             flops = 2 * r * ins[name] * sum(w[0] for w in ws)
             out[f"{name}_{r}"] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
                                   "compile_s": round(compile_s, 2)}
