@@ -68,14 +68,13 @@ def kernels(dump: Path) -> dict:
         m = re.search(r"jit_(\w+?_\d+)\.", p.name)
         if not m:
             continue
-        text = p.read_text()
         picks = []
-        for line in text.splitlines():
+        for line in p.read_text().splitlines():
             t = re.search(r'custom_call_target="([^"]+)"', line)
             if t and ("gemm" in t.group(1) or "matmul" in t.group(1)):
                 alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
                 picks.append(f"{t.group(1)}[{alg.group(1) if alg else '?'}]")
-            if '"kind":"__triton_gemm"' in line or "__triton_gemm" in line and "fusion(" in line:
+            if '"__triton_gemm"' in line:  # a Triton GEMM fusion, its tiling in its config
                 tile = re.search(r'"block_m":"?(\d+)"?,"block_n":"?(\d+)"?,"block_k":"?(\d+)', line)
                 picks.append("triton_gemm" + (f"[{'x'.join(tile.groups())}]" if tile else ""))
         found[m.group(1)] = picks
@@ -101,13 +100,13 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             env = dict(os.environ, KERNJAX_XLA_CACHE=str(tmp / "xla"))
-            env.pop("XLA_FLAGS", None)
-            env.pop("KERNJAX_XLA_SET", None)
+            env.pop("KERNJAX_XLA_SET", None)  # XLA_FLAGS below replaces any the caller had
             env["XLA_FLAGS"] = (f"{flags} --xla_dump_to={tmp}/dump --xla_dump_hlo_as_text "
                                 f"--xla_gpu_dump_autotune_results_to={tmp}/tuned.txt").strip()
             t = time.perf_counter()
-            p = subprocess.run([sys.executable, str(HERE), "--child", "--rows", a.rows,
-                                "--iters", str(a.iters), "--sizes", a.sizes], env=env, capture_output=True, text=True)
+            p = subprocess.run([sys.executable, str(HERE), "--child", "--rows", a.rows, "--iters",
+                                str(a.iters), "--sizes", a.sizes], env=env, capture_output=True,
+                               text=True)
             if p.returncode:
                 print(f"{label}: failed\n{p.stderr[-3000:]}")
                 continue
