@@ -7,9 +7,12 @@ the model runs them (`models.qwen3.linear`, weights [out, in]; q/k/v one fused w
 prints, per GEMM, the kernel XLA chose (the custom call's target, its `selected_algorithm`, or a
 Triton GEMM fusion's tiling), its time, and how many autotune results XLA dumped
 (`--xla_gpu_dump_autotune_results_to`). Flag sets: kernjax's flags (twice, two processes: do
-their choices agree?) and `--xla_gpu_autotune_level=0` (no autotuning at all: is it slower?).
+their choices agree?), `--xla_gpu_exclude_nondeterministic_ops=true` twice (XLA's autotuner then
+takes each GEMM's first candidate without timing: the same in every process, but as fast?) and
+`--xla_gpu_autotune_level=0` (no cuBLAS at all). XLA's autotuner logs its cache hits and misses
+(`TF_CPP_VMODULE=autotuner_pass=1`): the probe counts them.
 
-    python experiments/autotune.py --rows 512,8192
+    python experiments/autotune.py --rows 512,8192 --sets kernjax,kernjax-again,det,det-again
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve()
-SETS = {"kernjax": "", "kernjax-again": "", "level0": "--xla_gpu_autotune_level=0"}
+DET = "--xla_gpu_exclude_nondeterministic_ops=true"  # XLA takes each GEMM's first config, untimed
+SETS = {"kernjax": "", "kernjax-again": "", "det": DET, "det-again": DET,
+        "level0": "--xla_gpu_autotune_level=0"}
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
 
 
@@ -88,6 +93,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sizes", default=f"{D},{Q},{KV},{F}",
                     help="hidden, q heads x 128, kv heads x 128, MLP (default qwen3-4b's)")
+    ap.add_argument("--sets", default=",".join(SETS), help=f"flag sets, of {', '.join(SETS)}")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     D, Q, KV, F = (int(x) for x in a.sizes.split(","))
@@ -96,10 +102,12 @@ def main() -> None:
         print(json.dumps(child(rows, a.iters)))
         return
     results = {}
-    for label, flags in SETS.items():
+    for label in a.sets.split(","):
+        flags = SETS[label]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             env = dict(os.environ, KERNJAX_XLA_CACHE=str(tmp / "xla"))
+            env.update(TF_CPP_VMODULE="autotuner_pass=1", TF_CPP_MIN_LOG_LEVEL="0")
             env.pop("KERNJAX_XLA_SET", None)  # XLA_FLAGS below replaces any the caller had
             env["XLA_FLAGS"] = (f"{flags} --xla_dump_to={tmp}/dump --xla_dump_hlo_as_text "
                                 f"--xla_gpu_dump_autotune_results_to={tmp}/tuned.txt").strip()
@@ -113,22 +121,26 @@ def main() -> None:
             timed = json.loads(p.stdout.strip().splitlines()[-1])
             tuned = tmp / "tuned.txt"
             dumped = tuned.read_text().count("results {") if tuned.exists() else None
+            stats = re.findall(r"cache stats: hits=(\d+), misses=(\d+)", p.stderr)
+            hits, misses = (sum(int(x[i]) for x in stats) for i in (0, 1))
             cached = [q.name for q in (tmp / "xla" / "autotune").rglob("*") if q.name != ".lock"]
             picks = kernels(tmp / "dump")
             results[label] = {"timed": timed, "picks": picks}
             print(f"## {label} (XLA_FLAGS += `{flags or 'nothing'}`): {time.perf_counter() - t:.1f} s; "
-                  f"autotune results dumped: {dumped}; files in the per-fusion cache: {len(cached)}")
+                  f"autotune results dumped: {dumped}; files in the per-fusion cache: {len(cached)}; "
+                  f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}")
             print("| GEMM | rows | kernels XLA chose | ms | TFLOP/s | compile s |\n|---|---:|---|---:|---:|---:|")
             for k, v in timed.items():
                 name, r = k.rsplit("_", 1)
                 print(f"| {name} | {r} | {' '.join(picks.get(k, ['?']))} | {v['ms']} | {v['tflops']} "
                       f"| {v['compile_s']} |", flush=True)
-    if "kernjax" in results and "kernjax-again" in results:
-        same = results["kernjax"]["picks"] == results["kernjax-again"]["picks"]
-        print(f"two processes with kernjax's flags chose the same kernels: {same}")
-    if "kernjax" in results and "level0" in results:
-        same = results["kernjax"]["picks"] == results["level0"]["picks"]
-        print(f"autotuning off chose the same kernels as kernjax's flags: {same}")
+    for a_, b_, what in [("kernjax", "kernjax-again", "two processes with kernjax's flags"),
+                         ("det", "det-again", f"two processes with {DET}"),
+                         ("kernjax", "det", f"{DET} and kernjax's flags"),
+                         ("kernjax", "level0", "autotuning off and kernjax's flags")]:
+        if a_ in results and b_ in results:
+            same = results[a_]["picks"] == results[b_]["picks"]
+            print(f"{what} chose the same kernels: {same}")
 
 
 if __name__ == "__main__":
