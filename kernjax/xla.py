@@ -1,13 +1,13 @@
 """What every kernjax process sets up before jax makes its backend: one kernel choice per call in
 every process of a cut, and compiled programs kept across restarts.
 
-- **Autotuning, shared.** XLA:GPU autotunes each GEMM and fusion by timing candidates, so two
-  processes compiling the same call may choose, and round, differently: whole and stages would
-  differ. kernjax keeps autotuning (off costs 1.7-6x, docs/bitwise.md) and shares its results:
-  XLA's per-fusion autotune cache is one directory per machine (`autotune/` under
-  `cache_root()`); the first process to compile a fusion writes its choice, every later one
-  reads it, under an exclusive file lock (`compile_lock`). On an H200 (jax 0.11.2) XLA wrote
-  nothing there for a 0.6B model's programs, whose processes agreed anyway (docs/bitwise.md).
+- **One GEMM choice in every process, untimed.** XLA:GPU picks each cuBLASLt GEMM's algorithm
+  by timing candidates, and two processes compiling the same call pick differently (on an H200,
+  jax 0.11.2: three of qwen3-4b's four GEMMs at 512 rows, `experiments/autotune.py`), so whole
+  and stages could differ; nor does XLA keep those choices in its per-fusion autotune cache to
+  share. `--xla_gpu_exclude_nondeterministic_ops=true` makes its autotuner take each GEMM's first
+  candidate (cuBLASLt's own heuristic) without timing: the same in every process, 0.8-1.7 %
+  slower at 8k and 3 s less to compile (docs/bitwise.md, item 3).
 - **No dot merging.** XLA's dot merger joins GEMMs that share an operand (gate and up; q, k, v)
   below 16 M elements (512 rows, not 8192) over the weights concatenated: a copy of ~100 MB of
   weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
@@ -27,10 +27,7 @@ Each is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -47,39 +44,30 @@ def cache_root() -> Path:
     return cache_dir() / "xla"
 
 
-AUTOTUNE_FLAG = "--xla_gpu_per_fusion_autotune_cache_dir"
-
-
-def autotune_dir() -> Path:
-    """The directory XLA's autotune results go to: the one `XLA_FLAGS` names (a parent's, say,
-    inherited), else `autotune/` under `cache_root()`."""
-    m = re.search(rf"{AUTOTUNE_FLAG}=(\S+)", os.environ.get("XLA_FLAGS", ""))
-    return Path(m.group(1)) if m else cache_root() / "autotune"
+UNTIMED = "--xla_gpu_exclude_nondeterministic_ops=true"
 
 
 def configure() -> None:
-    """Sets the XLA flags and the compilation cache; a no-op for what the user set already. What
-    a kernjax parent set (`KERNJAX_XLA_SET`, inherited with its environment) is not the user's:
-    this process's own cache (`KERNJAX_XLA_CACHE`, say) replaces it."""
-    flag, cache = (os.environ.get("KERNJAX_XLA_SET", "") + "\n\n").split("\n")[:2]
-    flags = os.environ.get("XLA_FLAGS", "").replace(flag, "")
-    if cache and os.environ.get("JAX_COMPILATION_CACHE_DIR") == cache:
+    """Sets the XLA flags and the compilation cache; a no-op for what the user set already. The
+    cache a kernjax parent set (`KERNJAX_XLA_SET`, inherited with its environment) is not the
+    user's: this process's own (`KERNJAX_XLA_CACHE`, say) replaces it."""
+    if (inherited := os.environ.get("KERNJAX_XLA_SET")) and \
+            os.environ.get("JAX_COMPILATION_CACHE_DIR") == inherited:
         del os.environ["JAX_COMPILATION_CACHE_DIR"]
-    flag, cache = "", ""
-    if "autotune_cache_dir" not in flags:
-        flag = f"{AUTOTUNE_FLAG}={cache_root() / 'autotune'}"
-        flags += " " + flag
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "exclude_nondeterministic_ops" not in flags:
+        flags += " " + UNTIMED
     if "xla_disable_hlo_passes" not in flags:
         flags += " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
-    jax = sys.modules.get("jax")  # unimported, it reads the variable: a shell parses flags first
+    jax, cache = sys.modules.get("jax"), ""  # unimported, jax reads the variable
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         pass
     elif jax is None:
         cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / "jax")
     elif jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
-    os.environ["KERNJAX_XLA_SET"] = f"{flag}\n{cache}"
+    os.environ["KERNJAX_XLA_SET"] = cache
 
 
 GRAPHS_BELOW_ROWS = 1024  # a 4B model on an H200 (above); a smaller model's crossover lies higher
@@ -98,21 +86,3 @@ def serving() -> None:
     """CUDA graphs whose temporaries stay put (see above); before jax makes its backend."""
     if "command_buffer_update_mode" not in (flags := os.environ.get("XLA_FLAGS", "")):
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode=SKIP_TEMP".strip()
-
-
-@contextlib.contextmanager
-def compile_lock():
-    """Held while compiling on a GPU: one process at a time times and records new fusions."""
-    import jax
-
-    if jax.default_backend() != "gpu":
-        yield
-        return
-    d = autotune_dir()
-    d.mkdir(parents=True, exist_ok=True)
-    with open(d / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
