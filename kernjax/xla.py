@@ -3,7 +3,7 @@ every process of a cut, and compiled programs kept across restarts.
 
 - **One GEMM choice in every process, untimed.** XLA:GPU picks each cuBLASLt GEMM's algorithm
   by timing candidates, and two processes compiling the same call pick differently (on an H200,
-  jax 0.11.2: three of qwen3-4b's four GEMMs at 512 rows, `experiments/autotune.py`), so whole
+  jax 0.11.2: three of a 4B model's four GEMMs at 512 rows, `experiments/autotune.py`), so whole
   and stages could differ; nor does XLA keep those choices in its per-fusion autotune cache to
   share. `--xla_gpu_exclude_nondeterministic_ops=true` makes its autotuner take each GEMM's first
   candidate (cuBLASLt's own heuristic) without timing: the same in every process, 0.8-1.7 %
