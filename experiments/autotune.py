@@ -30,7 +30,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve()
 DET = "--xla_gpu_exclude_nondeterministic_ops=true"  # XLA takes each GEMM's first config, untimed
 SETS = {"kernjax": "", "kernjax-again": "", "det": DET, "det-again": DET,
-        "level0": "--xla_gpu_autotune_level=0"}
+        "level0": "--xla_gpu_autotune_level=0", "timed": "--xla_gpu_exclude_nondeterministic_ops=false",
+        "newcache": "--xla_gpu_exclude_nondeterministic_ops=false "
+                    "--xla_gpu_use_new_autotune_cache_format=true"}
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
 
 
