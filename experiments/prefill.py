@@ -50,7 +50,7 @@ import tempfile
 # Before jax starts: JAX and torch share the GPU, so JAX allocates as it goes and leaves room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-# kernjax keeps XLA's autotune results and compiled programs in a cache (kernjax/xla.py); a fresh
+# kernjax keeps compiled programs in a cache (kernjax/xla.py); a fresh
 # one per run, unless the caller names one, so that compile times are those of a cold machine.
 _OWN_CACHE = not os.environ.get("KERNJAX_XLA_CACHE")
 if _OWN_CACHE:
@@ -818,11 +818,10 @@ class Results:
                      "adds no attention work; the states are sized for the largest prompt); a "
                      "one-pass program (rows = S) has context S, one per S.")
                   + " The compile table lists each program once, at the first prompt that used "
-                  "it. Compiling runs with kernjax's XLA cache (`kernjax/xla.py`: shared GEMM and "
-                  "fusion autotuning results, JAX's persistent compilation cache) in "
-                  + ("a fresh directory for this run, so the first program to need an autotuned "
-                     "fusion pays for it and later systems reuse it (kernjax-2stages after "
-                     "kernjax, in this order)." if d["xla_cache"] and "prefill-xla-" in
+                  "it. Compiling runs with kernjax's XLA set-up (`kernjax/xla.py`: each GEMM's "
+                  "algorithm chosen untimed, JAX's persistent compilation cache) in "
+                  + ("a fresh directory for this run: every program's first compile is a "
+                     "cold one." if d["xla_cache"] and "prefill-xla-" in
                      d["xla_cache"] else f"`{d['xla_cache']}`, set by the caller (maybe warm)."),
                   f"- FLOPs(S) = {a_:.4g}·S + {b_:.6g}·S² + {c_:.4g} (2 × non-embedding weights "
                   "per token; causal attention 2·2·layers·heads·head_dim·S²/2; the lm_head of "
@@ -1069,8 +1068,7 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
 
 def second_start(args, res: Results) -> None:
     """Compiles the kernjax and kernjax-2stages programs of `--second_start`'s prompts again in a
-    new process with this run's caches (XLA's autotune results, JAX's persistent compilation
-    cache): what a restarted stage pays. Recorded as `compile_second`."""
+    new process with this run's cache (JAX's persistent compilation cache): what a restarted stage pays. Recorded as `compile_second`."""
     systems = [x for x in ("kernjax", "kernjax-2stages") if x in args.systems]
     if not systems:
         return

@@ -4,10 +4,10 @@ reproduce the whole bit for bit.
 The public surface, loaded on first use so that `python -m kernjax.cut` and the other shells do
 not import their own module twice.
 
-Importing kernjax points XLA's GPU autotune cache and JAX's compilation cache at kernjax's cache
-before jax creates its backend (`kernjax/xla.py`): the whole program and every stage, compiled in
-separate processes, then pick the same kernel for the same call (docs/bitwise.md). Import kernjax
-before using jax's devices.
+Importing kernjax sets XLA's flags (each GEMM's algorithm chosen untimed, so the whole program
+and every stage, compiled in separate processes, pick the same kernel for the same call) and
+points JAX's compilation cache at kernjax's cache before jax creates its backend
+(`kernjax/xla.py`, docs/bitwise.md). Import kernjax before using jax's devices.
 """
 
 from kernjax import xla as _xla
