@@ -32,7 +32,9 @@ DET = "--xla_gpu_exclude_nondeterministic_ops=true"  # XLA takes each GEMM's fir
 SETS = {"kernjax": "", "kernjax-again": "", "det": DET, "det-again": DET,
         "level0": "--xla_gpu_autotune_level=0", "timed": "--xla_gpu_exclude_nondeterministic_ops=false",
         "newcache": "--xla_gpu_exclude_nondeterministic_ops=false "
-                    "--xla_gpu_use_new_autotune_cache_format=true"}
+                    "--xla_gpu_use_new_autotune_cache_format=true",
+        "det-blas": f"{DET} --xla_gpu_enable_cublaslt=false",  # legacy cuBLAS's first choice
+        "det-blas-again": f"{DET} --xla_gpu_enable_cublaslt=false"}
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
 
 
@@ -139,6 +141,7 @@ def main() -> None:
     for a_, b_, what in [("kernjax", "kernjax-again", "two processes with kernjax's flags"),
                          ("det", "det-again", f"two processes with {DET}"),
                          ("kernjax", "det", f"{DET} and kernjax's flags"),
+                         ("det-blas", "det-blas-again", "two processes with legacy cuBLAS untimed"),
                          ("kernjax", "level0", "autotuning off and kernjax's flags")]:
         if a_ in results and b_ in results:
             same = results[a_]["picks"] == results[b_]["picks"]
