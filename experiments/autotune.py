@@ -1,18 +1,19 @@
-"""Does XLA:GPU autotune kernjax's GEMMs, and would autotuning change what they run?
+"""Which algorithms XLA:GPU picks for kernjax's GEMMs, and do two processes pick alike?
 
-`tests/test_processes.py` found that XLA writes no autotune result while compiling a whole
-program and its stages (`docs/bitwise.md`, item 3). This asks why, on qwen3-4b's GEMM calls as
-the model runs them (`models.qwen3.linear`, weights [out, in]; q/k/v one fused weight), at
-`--rows`: each flag set compiles them in a fresh process with an autotune cache of its own, and
-prints, per GEMM, the kernel XLA chose (the custom call's target, its `selected_algorithm`, or a
-Triton GEMM fusion's tiling), its time, and how many autotune results XLA dumped
-(`--xla_gpu_dump_autotune_results_to`). Flag sets: kernjax's flags (twice, two processes: do
-their choices agree?), `--xla_gpu_exclude_nondeterministic_ops=true` twice (XLA's autotuner then
-takes each GEMM's first candidate without timing: the same in every process, but as fast?) and
-`--xla_gpu_autotune_level=0` (no cuBLAS at all). XLA's autotuner logs its cache hits and misses
-(`TF_CPP_VMODULE=autotuner_pass=1`): the probe counts them.
+On qwen3-4b's GEMM calls as the model runs them (`gemms.layer_cases`: q/k/v one fused weight, o,
+gate and up, down), at `--rows`: each flag set compiles them in a fresh process with caches of its
+own, and prints, per GEMM, the kernel XLA chose (the custom call's target and its
+`selected_algorithm`, or a Triton GEMM fusion's tiling), its time and compile time, how many
+autotune results XLA dumped (`--xla_gpu_dump_autotune_results_to`), the files in its per-fusion
+cache, and the cache hits and misses its autotuner logs (`TF_CPP_VMODULE=autotuner_pass=1`; on
+an H200 with jax 0.11.2 it logged none). Flag sets (`--sets`): `kernjax`, `kernjax-again`
+(kernjax's flags: each GEMM's first candidate, untimed), `timed`
+(`--xla_gpu_exclude_nondeterministic_ops=false`: XLA times the candidates), `det`, `det-again`
+(the untimed flag named explicitly), `newcache` (timed, with XLA's new cache format), `det-blas`,
+`det-blas-again` (untimed, legacy cuBLAS instead of cuBLASLt) and `level0`
+(`--xla_gpu_autotune_level=0`: no cuBLAS at all). docs/bitwise.md item 3 reads the results.
 
-    python experiments/autotune.py --rows 512,8192 --sets kernjax,kernjax-again,det,det-again
+    python experiments/autotune.py --rows 512,8192 --sets timed,kernjax,kernjax-again
 """
 
 from __future__ import annotations
@@ -29,44 +30,35 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 DET = "--xla_gpu_exclude_nondeterministic_ops=true"  # XLA takes each GEMM's first config, untimed
-SETS = {"kernjax": "", "kernjax-again": "", "det": DET, "det-again": DET,
-        "level0": "--xla_gpu_autotune_level=0", "timed": "--xla_gpu_exclude_nondeterministic_ops=false",
+SETS = {"kernjax": "", "kernjax-again": "", "timed": "--xla_gpu_exclude_nondeterministic_ops=false",
+        "det": DET, "det-again": DET, "level0": "--xla_gpu_autotune_level=0",
         "newcache": "--xla_gpu_exclude_nondeterministic_ops=false "
                     "--xla_gpu_use_new_autotune_cache_format=true",
         "det-blas": f"{DET} --xla_gpu_enable_cublaslt=false",  # legacy cuBLAS's first choice
         "det-blas-again": f"{DET} --xla_gpu_enable_cublaslt=false"}
+DEFAULT_SETS = "timed,kernjax,kernjax-again"
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
 
 
 def child(rows: list[int], iters: int) -> dict:
     sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
-    import kernjax  # noqa: F401,E402  (its XLA flags: no dot merger, the autotune cache)
+    import kernjax  # noqa: F401,E402  (its XLA flags, unless XLA_FLAGS names them)
     import jax
-    import jax.numpy as jnp
-    from gemms import timed  # the median of 5 rounds of `iters` runs, in ms
-    from models.qwen3 import linear
+    from gemms import layer_cases, operands, timed  # the model's GEMM calls; timed: median ms
 
-    fence = jax.lax.optimization_barrier
-    shapes = {"qkv": [(Q + 2 * KV, D)], "o": [(D, Q)], "gate_up": [(F, D), (F, D)],
-              "down": [(D, F)]}
-    ins = {"qkv": D, "o": Q, "gate_up": D, "down": F}
     out = {}
-    key = jax.random.key(0)
     for r in rows:
-        for name, ws in shapes.items():
-            def f(x, *w):
-                x, w = fence((x, w))
-                return fence(tuple(linear(x, wi) for wi in w))
-            f.__name__ = f"{name}_{r}"  # the HLO module's name
-            args = [jax.random.normal(k, s, jnp.bfloat16) * 0.05 for k, s in
-                    zip(jax.random.split(key, 1 + len(ws)), [(r, ins[name]), *ws])]
+        for name, (f, shapes, flops_per_row) in layer_cases(D, Q, KV, F).items():
+            def g(*a, f=f):
+                return f(*a)
+            g.__name__ = f"{name}_{r}"  # the HLO module's name
+            args = operands(jax.random.key(0), shapes(r))
             t = time.perf_counter()
-            run = jax.jit(f).lower(*args).compile()
+            run = jax.jit(g).lower(*args).compile()
             compile_s = time.perf_counter() - t
             ms = timed(run, args, iters)
-            flops = 2 * r * ins[name] * sum(w[0] for w in ws)
-            out[f"{name}_{r}"] = {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1),
-                                  "compile_s": round(compile_s, 2)}
+            tflops = round(flops_per_row * r / ms / 1e9, 1)
+            out[f"{name}_{r}"] = {"ms": round(ms, 4), "tflops": tflops, "compile_s": round(compile_s, 2)}
     return out
 
 
@@ -97,7 +89,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--sizes", default=f"{D},{Q},{KV},{F}",
                     help="hidden, q heads x 128, kv heads x 128, MLP (default qwen3-4b's)")
-    ap.add_argument("--sets", default=",".join(SETS), help=f"flag sets, of {', '.join(SETS)}")
+    ap.add_argument("--sets", default=DEFAULT_SETS, help=f"flag sets, of {', '.join(SETS)}")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     D, Q, KV, F = (int(x) for x in a.sizes.split(","))
@@ -140,7 +132,7 @@ def main() -> None:
                       f"| {v['compile_s']} |", flush=True)
     for a_, b_, what in [("kernjax", "kernjax-again", "two processes with kernjax's flags"),
                          ("det", "det-again", f"two processes with {DET}"),
-                         ("kernjax", "det", f"{DET} and kernjax's flags"),
+                         ("timed", "kernjax", "timed and untimed (kernjax's flags)"),
                          ("det-blas", "det-blas-again", "two processes with legacy cuBLAS untimed"),
                          ("kernjax", "level0", "autotuning off and kernjax's flags")]:
         if a_ in results and b_ in results:

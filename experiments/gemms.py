@@ -4,8 +4,9 @@ At 8k tokens in one chunk, GEMMs are 78 of the 133 ms (`docs/bitwise.md`), as fi
 (q, k, v, gate and up separate; o; down) with silu·mul a call of its own between them. This
 times, on random bf16 operands at `--rows` rows, each way a layer's GEMMs could run:
 
-- `qkv 3`: q, k and v as three products (today), each fenced like a call;
-- `qkv 1`: one product over the weights concatenated at load (6144 columns);
+- `qkv 3`: q, k and v as three products (the model's layout until `6ca9e29`), each fenced
+  like a call;
+- `qkv 1`: one product over the weights concatenated at load (6144 columns; the model's now);
 - `gate_up 2` against `gate_up 1` (19456 columns), the same way;
 - `silu_mul+down 2`: silu(gate)·up and the down product as two calls (today), against
   `silu_mul+down 1`: both in one call, where XLA may fuse the product's prologue (Triton).
@@ -15,7 +16,7 @@ on a GPU; kernjax's XLA flags apply (it is imported first), and any in `XLA_FLAG
 TFLOP/s per case.
 
 `--layer` times instead the layer's GEMMs as the model runs them (`models.qwen3.linear`: weights
-as the checkpoint stores them, [out, in]), one call each: `qkv_proj`, `o_proj`, `gate_up`,
+[out, in], q/k/v one weight as the model derives it at load), one call each: `qkv_proj`, `o_proj`, `gate_up`,
 `down_proj`, and their sum over 36 layers. `--pallas` times the same products through JAX's
 Mosaic GPU matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, on weights transposed
 once beforehand) at each of a few tilings, the best of them per product, checked against XLA's:
@@ -34,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernjax  # noqa: E402,F401  (XLA flags: no dot merger, the shared autotune cache)
+import kernjax  # noqa: E402,F401  (its XLA flags: no dot merger, GEMMs chosen untimed)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -65,17 +66,19 @@ def cases():
     }
 
 
-def layer_cases():
+def layer_cases(d=None, q=None, kv=None, f=None):
+    """The model's GEMM calls a layer (`models.qwen3.linear`, weights [out, in]; q/k/v one weight,
+    as the model derives it at load), at sizes `d, q, kv, f` (default this module's)."""
     from models.qwen3 import linear
 
+    d, q, kv, f = (x or y for x, y in zip((d, q, kv, f), (D, Q, KV, F)))
     one = fenced(linear)
     two = fenced(lambda x, w1, w2: (linear(x, w1), linear(x, w2)))
-    three = fenced(lambda x, w1, w2, w3: (linear(x, w1), linear(x, w2), linear(x, w3)))
     return {  # name: (fn, shapes of x and [out, in] weights, FLOPs a row)
-        "qkv_proj": (three, lambda r: [(r, D), (Q, D), (KV, D), (KV, D)], 2 * D * (Q + 2 * KV)),
-        "o_proj": (one, lambda r: [(r, Q), (D, Q)], 2 * Q * D),
-        "gate_up": (two, lambda r: [(r, D), (F, D), (F, D)], 2 * D * 2 * F),
-        "down_proj": (one, lambda r: [(r, F), (D, F)], 2 * F * D),
+        "qkv_proj": (one, lambda r: [(r, d), (q + 2 * kv, d)], 2 * d * (q + 2 * kv)),
+        "o_proj": (one, lambda r: [(r, q), (d, q)], 2 * q * d),
+        "gate_up": (two, lambda r: [(r, d), (f, d), (f, d)], 2 * d * 2 * f),
+        "down_proj": (one, lambda r: [(r, f), (d, f)], 2 * f * d),
     }
 
 

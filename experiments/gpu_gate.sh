@@ -32,8 +32,8 @@
 #   transfer   (nvidia-h200-x2) experiments/transfer.py: time per item over an edge, GPU 0 to GPU 1,
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   autotune   experiments/autotune.py: the kernels XLA picks for qwen3-4b's GEMMs and their times,
-#              in two fresh processes for each of $AUTOTUNE_SETS (default: kernjax's flags, and
-#              XLA's untimed first choice, --xla_gpu_exclude_nondeterministic_ops)
+#              a fresh process for each of $AUTOTUNE_SETS (default: XLA's timed choice, then
+#              kernjax's flags, untimed, twice: do two processes pick alike?)
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them;
 #              with $GEMM_SETS (XLA's GEMM routes: default cublaslt tritonws cudnn notriton) the
@@ -406,7 +406,7 @@ for step in "$@"; do
   autotune)
     log "qwen3-4b's GEMMs: kernels XLA picks, autotuned or not"
     python experiments/autotune.py --rows 512,8192 \
-      --sets "${AUTOTUNE_SETS:-kernjax,kernjax-again,det,det-again}" > "$OUT/logs/autotune.log" 2>&1
+      --sets "${AUTOTUNE_SETS:-timed,kernjax,kernjax-again}" > "$OUT/logs/autotune.log" 2>&1
     grep -vE "^\|---" "$OUT/logs/autotune.log" | say ;;
   gemms)
     if [ -z "${GEMM_SETS:-}" ]; then
