@@ -16,8 +16,8 @@ on a GPU; kernjax's XLA flags apply (it is imported first), and any in `XLA_FLAG
 TFLOP/s per case.
 
 `--layer` times instead the layer's GEMMs as the model runs them (`models.qwen3.linear`: weights
-[out, in], q/k/v one weight as the model derives it at load), one call each: `qkv_proj`, `o_proj`, `gate_up`,
-`down_proj`, and their sum over 36 layers. `--pallas` times the same products through JAX's
+[out, in], q/k/v one weight as the model derives it at load), one call each: `qkv_proj`,
+`o_proj`, `gate_up`, `down_proj`, and their sum over 36 layers. `--pallas` times the same products through JAX's
 Mosaic GPU matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, on weights transposed
 once beforehand) at each of a few tilings, the best of them per product, checked against XLA's:
 whether a GEMM of our own (with silu·mul in its epilogue, say) could start from cuBLAS's speed.

@@ -1068,7 +1068,8 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
 
 def second_start(args, res: Results) -> None:
     """Compiles the kernjax and kernjax-2stages programs of `--second_start`'s prompts again in a
-    new process with this run's cache (JAX's persistent compilation cache): what a restarted stage pays. Recorded as `compile_second`."""
+    new process with this run's cache (JAX's persistent compilation cache): what a restarted
+    stage pays. Recorded as `compile_second`."""
     systems = [x for x in ("kernjax", "kernjax-2stages") if x in args.systems]
     if not systems:
         return
