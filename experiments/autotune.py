@@ -106,7 +106,8 @@ def main() -> None:
             env.update(TF_CPP_VMODULE="autotuner_pass=1", TF_CPP_MIN_LOG_LEVEL="0")
             env.pop("KERNJAX_XLA_SET", None)  # XLA_FLAGS below replaces any the caller had
             env["XLA_FLAGS"] = (f"{flags} --xla_dump_to={tmp}/dump --xla_dump_hlo_as_text "
-                                f"--xla_gpu_dump_autotune_results_to={tmp}/tuned.txt").strip()
+                                f"--xla_gpu_dump_autotune_results_to={tmp}/tuned.txt "
+                                f"--xla_gpu_dump_autotune_logs_to={tmp}/tuning-log.txt").strip()
             t = time.perf_counter()
             p = subprocess.run([sys.executable, str(HERE), "--child", "--rows", a.rows, "--iters",
                                 str(a.iters), "--sizes", a.sizes], env=env, capture_output=True,
@@ -119,12 +120,17 @@ def main() -> None:
             dumped = tuned.read_text().count("results {") if tuned.exists() else None
             stats = re.findall(r"cache stats: hits=(\d+), misses=(\d+)", p.stderr)
             hits, misses = (sum(int(x[i]) for x in stats) for i in (0, 1))
+            log = tmp / "tuning-log.txt"
+            logged = len(log.read_bytes()) if log.exists() else None
             cached = [q.name for q in (tmp / "xla" / "autotune").rglob("*") if q.name != ".lock"]
             picks = kernels(tmp / "dump")
             results[label] = {"timed": timed, "picks": picks}
             print(f"## {label} (XLA_FLAGS += `{flags or 'nothing'}`): {time.perf_counter() - t:.1f} s; "
                   f"autotune results dumped: {dumped}; files in the per-fusion cache: {len(cached)}; "
-                  f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}")
+                  f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}; "
+                  f"its log (`--xla_gpu_dump_autotune_logs_to`): {logged} bytes")
+            if logged:  # what XLA's autotuner says it did, the start of it
+                print("its log begins:\n" + log.read_text()[:1200])
             print("| GEMM | rows | kernels XLA chose | ms | TFLOP/s | compile s |\n|---|---:|---|---:|---:|---:|")
             for k, v in timed.items():
                 name, r = k.rsplit("_", 1)
