@@ -62,6 +62,17 @@ def child(rows: list[int], iters: int) -> dict:
     return out
 
 
+def gemm(line: str) -> tuple[str, str, str | None] | None:
+    """A cuBLAS GEMM of an optimized HLO module's text (one instruction a line): its result and
+    operand shapes, its custom call's target and the algorithm XLA selected; else None."""
+    t = re.search(r'custom_call_target="(__cublas[^"]*)"', line)
+    if t is None:
+        return None
+    alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
+    shapes = re.findall(r"\w+\[[\d,]*\]", line[:t.start()])
+    return " ".join(shapes), t.group(1), alg and alg.group(1)
+
+
 def kernels(dump: Path) -> dict:
     """Per module: the GEMM kernels of its optimized HLO, as `target[algorithm]` strings."""
     found = {}
@@ -71,10 +82,8 @@ def kernels(dump: Path) -> dict:
             continue
         picks = []
         for line in p.read_text().splitlines():
-            t = re.search(r'custom_call_target="([^"]+)"', line)
-            if t and ("gemm" in t.group(1) or "matmul" in t.group(1)):
-                alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
-                picks.append(f"{t.group(1)}[{alg.group(1) if alg else '?'}]")
+            if (g := gemm(line)) is not None:
+                picks.append(f"{g[1]}[{g[2] or '?'}]")
             if '"__triton_gemm"' in line:  # a Triton GEMM fusion, its tiling in its config
                 tile = re.search(r'"block_m":"?(\d+)"?,"block_n":"?(\d+)"?,"block_k":"?(\d+)', line)
                 picks.append("triton_gemm" + (f"[{'x'.join(tile.groups())}]" if tile else ""))

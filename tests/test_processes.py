@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
 
 from kernjax import weights as ckpts
 from kernjax import xla
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+import autotune  # noqa: E402  (its reader of the GEMMs in XLA's optimized HLO)
 
 
 def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
@@ -68,11 +71,8 @@ def gemm_choices(dump) -> dict[str, set]:
     the algorithms XLA selected for GEMMs of those shapes."""
     found = {}
     for p in dump.glob("*after_optimizations.txt"):
-        for line in p.read_text().splitlines():
-            if 'custom_call_target="__cublas' in line:
-                shapes = re.findall(r"\w+\[[\d,]*\]", line.split("custom_call_target")[0])
-                alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
-                found.setdefault(" ".join(shapes), set()).add(alg and alg.group(1))
+        for shapes, _, algorithm in filter(None, map(autotune.gemm, p.read_text().splitlines())):
+            found.setdefault(shapes, set()).add(algorithm)
     return found
 
 
