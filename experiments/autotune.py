@@ -10,8 +10,10 @@ an H200 with jax 0.11.2 it logged none). Flag sets (`--sets`): `kernjax`, `kernj
 (kernjax's flags: each GEMM's first candidate, untimed), `timed`
 (`--xla_gpu_exclude_nondeterministic_ops=false`: XLA times the candidates), `det`, `det-again`
 (the untimed flag named explicitly), `newcache` (timed, with XLA's new cache format), `det-blas`,
-`det-blas-again` (untimed, legacy cuBLAS instead of cuBLASLt) and `level0`
-(`--xla_gpu_autotune_level=0`: no cuBLAS at all). docs/bitwise.md item 3 reads the results.
+`det-blas-again` (untimed, legacy cuBLAS instead of cuBLASLt), `timed-blas` and `level0`
+(`--xla_gpu_autotune_level=0`: no cuBLAS at all). `--layouts oi,io` times each product also on
+its weights stored [in, out] (the model holds them [out, in]). docs/bitwise.md item 3 reads the
+results.
 
     python experiments/autotune.py --rows 512,8192 --sets timed,kernjax,kernjax-again
 """
@@ -35,20 +37,24 @@ SETS = {"kernjax": "", "kernjax-again": "", "timed": "--xla_gpu_exclude_nondeter
         "newcache": "--xla_gpu_exclude_nondeterministic_ops=false "
                     "--xla_gpu_use_new_autotune_cache_format=true",
         "det-blas": f"{DET} --xla_gpu_enable_cublaslt=false",  # legacy cuBLAS's first choice
-        "det-blas-again": f"{DET} --xla_gpu_enable_cublaslt=false"}
+        "det-blas-again": f"{DET} --xla_gpu_enable_cublaslt=false",
+        "timed-blas": "--xla_gpu_exclude_nondeterministic_ops=false --xla_gpu_enable_cublaslt=false"}
 DEFAULT_SETS = "timed,kernjax,kernjax-again"
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
 
 
-def child(rows: list[int], iters: int) -> dict:
+def child(rows: list[int], iters: int, layouts: list[str]) -> dict:
     sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
     import kernjax  # noqa: F401,E402  (its XLA flags, unless XLA_FLAGS names them)
     import jax
     from gemms import layer_cases, operands, timed  # the model's GEMM calls; timed: median ms
 
     out = {}
+    cases = {}
+    for lay in layouts:  # oi: weights [out, in] as the model holds them; io: [in, out]
+        cases.update(layer_cases(D, Q, KV, F, inout=lay == "io"))
     for r in rows:
-        for name, (f, shapes, flops_per_row) in layer_cases(D, Q, KV, F).items():
+        for name, (f, shapes, flops_per_row) in cases.items():
             def g(*a, f=f):
                 return f(*a)
             g.__name__ = f"{name}_{r}"  # the HLO module's name
@@ -99,12 +105,14 @@ def main() -> None:
     ap.add_argument("--sizes", default=f"{D},{Q},{KV},{F}",
                     help="hidden, q heads x 128, kv heads x 128, MLP (default qwen3-4b's)")
     ap.add_argument("--sets", default=DEFAULT_SETS, help=f"flag sets, of {', '.join(SETS)}")
+    ap.add_argument("--layouts", default="oi",
+                    help="weights as the model holds them, [out, in] (oi), and/or [in, out] (io)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     D, Q, KV, F = (int(x) for x in a.sizes.split(","))
     rows = [int(x) for x in a.rows.split(",")]
     if a.child:
-        print(json.dumps(child(rows, a.iters)))
+        print(json.dumps(child(rows, a.iters, a.layouts.split(","))))
         return
     results = {}
     for label in a.sets.split(","):
@@ -119,7 +127,8 @@ def main() -> None:
                                 f"--xla_gpu_dump_autotune_logs_to={tmp}/tuning-log.txt").strip()
             t = time.perf_counter()
             p = subprocess.run([sys.executable, str(HERE), "--child", "--rows", a.rows, "--iters",
-                                str(a.iters), "--sizes", a.sizes], env=env, capture_output=True,
+                                str(a.iters), "--sizes", a.sizes, "--layouts", a.layouts],
+                               env=env, capture_output=True,
                                text=True)
             if p.returncode:
                 print(f"{label}: failed\n{p.stderr[-3000:]}")
@@ -139,12 +148,17 @@ def main() -> None:
                   f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}; "
                   f"its log (`--xla_gpu_dump_autotune_logs_to`): {logged} bytes")
             if logged:  # what XLA's autotuner says it did, the start of it
-                print("its log begins:\n" + log.read_text()[:1200])
+                print("its log begins:\n" + log.read_text()[:2500])
             print("| GEMM | rows | kernels XLA chose | ms | TFLOP/s | compile s |\n|---|---:|---|---:|---:|---:|")
             for k, v in timed.items():
                 name, r = k.rsplit("_", 1)
                 print(f"| {name} | {r} | {' '.join(picks.get(k, ['?']))} | {v['ms']} | {v['tflops']} "
                       f"| {v['compile_s']} |", flush=True)
+            for lay in a.layouts.split(","):  # a layer's four GEMM calls, over 36 layers
+                for r in rows:
+                    ms = sum(v["ms"] for k, v in timed.items()
+                             if k.endswith(f"_{r}") and k.endswith("_io_%d" % r) == (lay == "io"))
+                    print(f"{label}: 36 layers of GEMMs, weights {lay}, {r} rows: {36 * ms:.2f} ms")
     for a_, b_, what in [("kernjax", "kernjax-again", "two processes with kernjax's flags"),
                          ("det", "det-again", f"two processes with {DET}"),
                          ("timed", "kernjax", "timed and untimed (kernjax's flags)"),

@@ -66,20 +66,28 @@ def cases():
     }
 
 
-def layer_cases(d=None, q=None, kv=None, f=None):
+def layer_cases(d=None, q=None, kv=None, f=None, inout=False):
     """The model's GEMM calls a layer (`models.qwen3.linear`, weights [out, in]; q/k/v one weight,
-    as the model derives it at load), at sizes `d, q, kv, f` (default this module's)."""
-    from models.qwen3 import linear
+    as the model derives it at load), at sizes `d, q, kv, f` (default this module's). `inout`:
+    the same products on weights stored [in, out] (x @ w), as a load could derive them; the
+    names end in `_io`."""
+    from models.qwen3 import exact, linear
+
+    def lin(x, w):
+        return (jnp.einsum("...i,io->...o", x, w, precision=exact(x.dtype)) if inout
+                else linear(x, w))
 
     d, q, kv, f = (x or y for x, y in zip((d, q, kv, f), (D, Q, KV, F)))
-    one = fenced(linear)
-    two = fenced(lambda x, w1, w2: (linear(x, w1), linear(x, w2)))
-    return {  # name: (fn, shapes of x and [out, in] weights, FLOPs a row)
-        "qkv_proj": (one, lambda r: [(r, d), (q + 2 * kv, d)], 2 * d * (q + 2 * kv)),
-        "o_proj": (one, lambda r: [(r, q), (d, q)], 2 * q * d),
-        "gate_up": (two, lambda r: [(r, d), (f, d), (f, d)], 2 * d * 2 * f),
-        "down_proj": (one, lambda r: [(r, f), (d, f)], 2 * f * d),
+    one = fenced(lin)
+    two = fenced(lambda x, w1, w2: (lin(x, w1), lin(x, w2)))
+    w = (lambda o, i: (i, o)) if inout else (lambda o, i: (o, i))
+    cases = {  # name: (fn, shapes of x and the weights, FLOPs a row)
+        "qkv_proj": (one, lambda r: [(r, d), w(q + 2 * kv, d)], 2 * d * (q + 2 * kv)),
+        "o_proj": (one, lambda r: [(r, q), w(d, q)], 2 * q * d),
+        "gate_up": (two, lambda r: [(r, d), w(f, d), w(f, d)], 2 * d * 2 * f),
+        "down_proj": (one, lambda r: [(r, f), w(d, f)], 2 * f * d),
     }
+    return {k + "_io" * inout: v for k, v in cases.items()}
 
 
 def operands(key, shapes):

@@ -33,7 +33,8 @@
 #              for each of $TRANSPORTS (ipc nccl shm), against bytes / 338 GB/s
 #   autotune   experiments/autotune.py: the kernels XLA picks for qwen3-4b's GEMMs and their times,
 #              a fresh process for each of $AUTOTUNE_SETS (default: XLA's timed choice, then
-#              kernjax's flags, untimed, twice: do two processes pick alike?)
+#              kernjax's flags, untimed, twice: do two processes pick alike?), at $AUTOTUNE_ROWS
+#              (512,8192), on weights laid out as $AUTOTUNE_LAYOUTS (oi: [out, in]; io: [in, out])
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them;
 #              with $GEMM_SETS (XLA's GEMM routes: default cublaslt tritonws cudnn notriton) the
@@ -405,7 +406,7 @@ for step in "$@"; do
     done ;;
   autotune)
     log "qwen3-4b's GEMMs: kernels XLA picks, autotuned or not"
-    python experiments/autotune.py --rows 512,8192 \
+    python experiments/autotune.py --rows "${AUTOTUNE_ROWS:-512,8192}" --layouts "${AUTOTUNE_LAYOUTS:-oi}" \
       --sets "${AUTOTUNE_SETS:-timed,kernjax,kernjax-again}" > "$OUT/logs/autotune.log" 2>&1
     grep -vE "^\|---" "$OUT/logs/autotune.log" | say ;;
   gemms)
