@@ -5,13 +5,16 @@ gate and up, down), at `--rows`: each flag set compiles them in a fresh process 
 own, and prints, per GEMM, the kernel XLA chose (the custom call's target and its
 `selected_algorithm`, or a Triton GEMM fusion's tiling), its time and compile time, how many
 autotune results XLA dumped (`--xla_gpu_dump_autotune_results_to`), the files in its per-fusion
-cache, and the cache hits and misses its autotuner logs (`TF_CPP_VMODULE=autotuner_pass=1`; on
+autotune cache (where JAX puts it when its persistent cache is on, whatever `XLA_FLAGS` says:
+`xla_gpu_per_fusion_autotune_cache_dir/` in that cache's directory), and the cache hits and misses its autotuner logs (`TF_CPP_VMODULE=autotuner_pass=1`; on
 an H200 with jax 0.11.2 it logged none). Flag sets (`--sets`): `kernjax`, `kernjax-again`
 (kernjax's flags: each GEMM's first candidate, untimed), `timed`
 (`--xla_gpu_exclude_nondeterministic_ops=false`: XLA times the candidates), `det`, `det-again`
 (the untimed flag named explicitly), `newcache` (timed, with XLA's new cache format), `det-blas`,
 `det-blas-again` (untimed, legacy cuBLAS instead of cuBLASLt), `timed-blas` and `level0`
-(`--xla_gpu_autotune_level=0`: no cuBLAS at all). `--layouts oi,io` times each product also on
+(`--xla_gpu_autotune_level=0`: no cuBLAS at all). A set named with `-shared` (`timed-shared`,
+`timed-shared-again`) shares one XLA cache with the other `-shared` sets of the run (no compiled
+program kept, XLA's per-fusion autotune results shared). `--layouts oi,io` times each product also on
 its weights stored [in, out] (the model holds them [out, in]). docs/bitwise.md item 3 reads the
 results.
 
@@ -115,11 +118,15 @@ def main() -> None:
         print(json.dumps(child(rows, a.iters, a.layouts.split(","))))
         return
     results = {}
+    shared = tempfile.TemporaryDirectory()  # the XLA cache of the `-shared` sets, one for them all
     for label in a.sets.split(","):
-        flags = SETS[label]
+        flags = SETS[label.replace("-shared", "")]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
-            env = dict(os.environ, KERNJAX_XLA_CACHE=str(tmp / "xla"))
+            xla_dir = Path(shared.name if "-shared" in label else tmp) / "xla"
+            env = dict(os.environ, KERNJAX_XLA_CACHE=str(xla_dir))
+            if "-shared" in label:  # no program kept: each compiles, its autotune results shared
+                env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1000000"
             env.update(TF_CPP_VMODULE="autotuner_pass=1", TF_CPP_MIN_LOG_LEVEL="0")
             env.pop("KERNJAX_XLA_SET", None)  # XLA_FLAGS below replaces any the caller had
             env["XLA_FLAGS"] = (f"{flags} --xla_dump_to={tmp}/dump --xla_dump_hlo_as_text "
@@ -140,13 +147,17 @@ def main() -> None:
             hits, misses = (sum(int(x[i]) for x in stats) for i in (0, 1))
             log = tmp / "tuning-log.txt"
             logged = len(log.read_bytes()) if log.exists() else None
-            cached = [q.name for q in (tmp / "xla" / "autotune").rglob("*") if q.name != ".lock"]
+            # where JAX points XLA's per-fusion autotune cache (its persistent cache's directory)
+            cached = [q for q in (xla_dir / "jax" / "xla_gpu_per_fusion_autotune_cache_dir").rglob("*")
+                      if q.is_file()]
             picks = kernels(tmp / "dump")
             results[label] = {"timed": timed, "picks": picks}
             print(f"## {label} (XLA_FLAGS += `{flags or 'nothing'}`): {time.perf_counter() - t:.1f} s; "
                   f"autotune results dumped: {dumped}; files in the per-fusion cache: {len(cached)}; "
                   f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}; "
                   f"its log (`--xla_gpu_dump_autotune_logs_to`): {logged} bytes")
+            if cached:  # one of them, its name and its start
+                print(f"one of its files: {cached[0].name}:\n{cached[0].read_text()[:600]}")
             if logged:  # what XLA's autotuner says it did, the start of it
                 print("its log begins:\n" + log.read_text()[:2500])
             print("| GEMM | rows | kernels XLA chose | ms | TFLOP/s | compile s |\n|---|---:|---|---:|---:|---:|")
@@ -163,6 +174,8 @@ def main() -> None:
                          ("det", "det-again", f"two processes with {DET}"),
                          ("timed", "kernjax", "timed and untimed (kernjax's flags)"),
                          ("det-blas", "det-blas-again", "two processes with legacy cuBLAS untimed"),
+                         ("timed-shared", "timed-shared-again",
+                          "two processes timed, one after the other, sharing XLA's caches"),
                          ("kernjax", "level0", "autotuning off and kernjax's flags")]:
         if a_ in results and b_ in results:
             same = results[a_]["picks"] == results[b_]["picks"]
