@@ -72,31 +72,31 @@ def child(rows: list[int], iters: int, layouts: list[str]) -> dict:
 
 
 def gemm(line: str) -> tuple[str, str, str | None] | None:
-    """A cuBLAS GEMM of an optimized HLO module's text (one instruction a line): its result and
-    operand shapes, its custom call's target and the algorithm XLA selected; else None."""
+    """A GEMM of an optimized HLO module's text (one instruction a line): its result and operand
+    shapes, its kind and XLA's choice for it: a cuBLAS custom call's target and the algorithm
+    selected, or a Triton GEMM fusion (`triton_gemm`) and its tiling (`MxNxK`, then split_k,
+    stages, warps, ... where given); else None."""
     t = re.search(r'custom_call_target="(__cublas[^"]*)"', line)
-    if t is None:
+    if t is not None:
+        alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
+        return " ".join(re.findall(r"\w+\[[\d,]*\]", line[:t.start()])), t.group(1), alg and alg.group(1)
+    if '"__triton_gemm"' not in line:
         return None
-    alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
-    shapes = re.findall(r"\w+\[[\d,]*\]", line[:t.start()])
-    return " ".join(shapes), t.group(1), alg and alg.group(1)
+    shapes = re.findall(r"\w+\[[\d,]*\]", line[:line.find(", kind=")])
+    c = re.search(r'"triton_gemm_config":(\{[^{}]*\})', line)
+    cfg = {k: str(v) for k, v in json.loads(c.group(1)).items()} if c else {}
+    tile = "x".join(cfg.pop(k, "?") for k in ("block_m", "block_n", "block_k"))
+    return " ".join(shapes), "triton_gemm", ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
 
 
 def kernels(dump: Path) -> dict:
-    """Per module: the GEMM kernels of its optimized HLO, as `target[algorithm]` strings."""
+    """Per module: the GEMM kernels of its optimized HLO, as `kind[choice]` strings."""
     found = {}
     for p in dump.glob("*after_optimizations.txt"):
         m = re.search(r"jit_(\w+?_\d+)\.", p.name)
-        if not m:
-            continue
-        picks = []
-        for line in p.read_text().splitlines():
-            if (g := gemm(line)) is not None:
-                picks.append(f"{g[1]}[{g[2] or '?'}]")
-            if '"__triton_gemm"' in line:  # a Triton GEMM fusion, its tiling in its config
-                tile = re.search(r'"block_m":"?(\d+)"?,"block_n":"?(\d+)"?,"block_k":"?(\d+)', line)
-                picks.append("triton_gemm" + (f"[{'x'.join(tile.groups())}]" if tile else ""))
-        found[m.group(1)] = picks
+        if m:
+            found[m.group(1)] = [f"{g[1]}[{g[2] or '?'}]"
+                                 for g in map(gemm, p.read_text().splitlines()) if g is not None]
     return found
 
 
@@ -120,7 +120,8 @@ def main() -> None:
     results = {}
     shared = tempfile.TemporaryDirectory()  # the XLA cache of the `-shared` sets, one for them all
     for label in a.sets.split(","):
-        flags = SETS[label.replace("-shared", "")]
+        base = label.replace("-shared", "")  # timed-shared-again: timed's flags
+        flags = SETS[base if base in SETS else base.replace("-again", "")]
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             xla_dir = Path(shared.name if "-shared" in label else tmp) / "xla"
@@ -157,7 +158,7 @@ def main() -> None:
                   f"autotuner passes {len(stats)}, cache hits {hits}, misses {misses}; "
                   f"its log (`--xla_gpu_dump_autotune_logs_to`): {logged} bytes")
             if cached:  # one of them, its name and its start
-                print(f"one of its files: {cached[0].name}:\n{cached[0].read_text()[:600]}")
+                print(f"one of its files: {cached[0].name}, {cached[0].stat().st_size} bytes")
             if logged:  # what XLA's autotuner says it did, the start of it
                 print("its log begins:\n" + log.read_text()[:2500])
             print("| GEMM | rows | kernels XLA chose | ms | TFLOP/s | compile s |\n|---|---:|---|---:|---:|---:|")

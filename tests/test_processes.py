@@ -68,23 +68,29 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
 
 
 def gemm_choices(dump) -> dict[str, set]:
-    """The cuBLAS GEMMs of the optimized programs in `dump`: their result and operand shapes, to
-    the algorithms XLA selected for GEMMs of those shapes."""
+    """The GEMMs of the optimized programs in `dump` (cuBLAS calls, Triton GEMM fusions): their
+    result and operand shapes, to what XLA chose for GEMMs of those shapes (`kind[choice]`)."""
     found = {}
     for p in dump.glob("*after_optimizations.txt"):
-        for shapes, _, algorithm in filter(None, map(autotune.gemm, p.read_text().splitlines())):
-            found.setdefault(shapes, set()).add(algorithm)
+        for shapes, kind, choice in filter(None, map(autotune.gemm, p.read_text().splitlines())):
+            found.setdefault(shapes, set()).add(f"{kind}[{choice}]")
     return found
 
 
-def test_gemm_choices_reads_the_algorithm_of_each_gemm_by_its_shapes(tmp_path):
+def test_gemm_choices_reads_the_choice_of_each_gemm_by_its_shapes(tmp_path):
     (tmp_path / "m.sm_9.0_gpu_after_optimizations.txt").write_text(
         '  %c = (bf16[512,3072]{1,0}, s8[0]{0}) custom-call(bf16[512,1024]{1,0} %x, '
         'bf16[3072,1024]{1,0} %w), custom_call_target="__cublas$lt$matmul", '
         'backend_config={"gemm_backend_config":{"selected_algorithm":"3"}}\n'
-        '  %d = bf16[512,3072]{1,0} fusion(bf16[512,3072]{1,0} %c), kind=kLoop\n')
+        '  %d = bf16[512,3072]{1,0} fusion(bf16[512,3072]{1,0} %c), kind=kLoop\n'
+        '  %t = bf16[512,1024]{1,0} fusion(bf16[512,3072]{1,0} %d, bf16[1024,3072]{1,0} %v), '
+        'kind=kCustom, calls=%gemm_fusion, backend_config={"fusion_backend_config":{"kind":'
+        '"__triton_gemm","triton_gemm_config":{"block_m":"64","block_n":"128","block_k":"32",'
+        '"split_k":"1","num_stages":"4","num_warps":"4"}}}\n')
     assert gemm_choices(tmp_path) == {
-        "bf16[512,3072] s8[0] bf16[512,1024] bf16[3072,1024]": {"3"}}
+        "bf16[512,3072] s8[0] bf16[512,1024] bf16[3072,1024]": {"__cublas$lt$matmul[3]"},
+        "bf16[512,1024] bf16[512,3072] bf16[1024,3072]":
+            {"triton_gemm[64x128x32,num_stages=4,num_warps=4,split_k=1]"}}
 
 
 def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
