@@ -6,12 +6,13 @@ own, and prints, per GEMM, the kernel XLA chose (the custom call's target and it
 `selected_algorithm`, or a Triton GEMM fusion's tiling), its time and compile time, how many
 autotune results XLA dumped (`--xla_gpu_dump_autotune_results_to`), the files in its per-fusion
 autotune cache (where JAX puts it when its persistent cache is on, whatever `XLA_FLAGS` says:
-`xla_gpu_per_fusion_autotune_cache_dir/` in that cache's directory), and the cache hits and misses its autotuner logs (`TF_CPP_VMODULE=autotuner_pass=1`; on
-an H200 with jax 0.11.2 it logged none). Flag sets (`--sets`): `kernjax`, `kernjax-again`
+`xla_gpu_per_fusion_autotune_cache_dir/` in that cache's directory), and the cache hits and
+misses its autotuner logs (`TF_CPP_VMODULE=autotuner_pass=1`; on an H200 with jax 0.11.2 it logged none). Flag sets (`--sets`): `kernjax`, `kernjax-again`
 (kernjax's flags: each GEMM's first candidate, untimed), `timed`
 (`--xla_gpu_exclude_nondeterministic_ops=false`: XLA times the candidates), `det`, `det-again`
 (the untimed flag named explicitly), `newcache` (timed, with XLA's new cache format), `det-blas`,
-`det-blas-again` (untimed, legacy cuBLAS instead of cuBLASLt), `timed-blas` and `level0`
+`det-blas-again`, `timed-blas` (`--xla_gpu_enable_cublaslt=false`; with jax 0.11.2 XLA still
+calls cuBLASLt) and `level0`
 (`--xla_gpu_autotune_level=0`: no cuBLAS at all). A set named with `-shared` (`timed-shared`,
 `timed-shared-again`) shares one XLA cache with the other `-shared` sets of the run (no compiled
 program kept, XLA's per-fusion autotune results shared). `--layouts oi,io` times each product also on
@@ -89,14 +90,18 @@ def gemm(line: str) -> tuple[str, str, str | None] | None:
     return " ".join(shapes), "triton_gemm", ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
 
 
+def pick(g: tuple[str, str, str | None]) -> str:
+    """A GEMM of `gemm` as `kind[choice]`."""
+    return f"{g[1]}[{g[2] or '?'}]"
+
+
 def kernels(dump: Path) -> dict:
     """Per module: the GEMM kernels of its optimized HLO, as `kind[choice]` strings."""
     found = {}
     for p in dump.glob("*after_optimizations.txt"):
         m = re.search(r"jit_(\w+?_\d+)\.", p.name)
         if m:
-            found[m.group(1)] = [f"{g[1]}[{g[2] or '?'}]"
-                                 for g in map(gemm, p.read_text().splitlines()) if g is not None]
+            found[m.group(1)] = [pick(g) for g in map(gemm, p.read_text().splitlines()) if g]
     return found
 
 

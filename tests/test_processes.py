@@ -71,8 +71,8 @@ def gemm_choices(dump) -> dict[str, set]:
     result and operand shapes, to what XLA chose for GEMMs of those shapes (`kind[choice]`)."""
     found = {}
     for p in dump.glob("*after_optimizations.txt"):
-        for shapes, kind, choice in filter(None, map(autotune.gemm, p.read_text().splitlines())):
-            found.setdefault(shapes, set()).add(f"{kind}[{choice}]")
+        for g in filter(None, map(autotune.gemm, p.read_text().splitlines())):
+            found.setdefault(g[0], set()).add(autotune.pick(g))
     return found
 
 
