@@ -1,8 +1,9 @@
 """The whole program and a cut's stages compiled in separate processes, two of them at once with an
-empty XLA cache, give the same bytes. On a GPU each process could time its own GEMM candidates and
-pick, and round, differently (on an H200 with jax 0.11.2 two processes did, `experiments/
-autotune.py`); kernjax has XLA take each GEMM's first candidate untimed (`kernjax/xla.py`), and the
-test reads the algorithms both processes chose from their optimized programs. On the CPU: the same
+empty XLA cache, give the same bytes. On a GPU each process would time its own GEMM candidates and
+could pick, and round, differently (on an H200 with jax 0.11.2 two processes with caches of their
+own did, `experiments/autotune.py`); kernjax processes share the timings through XLA's per-fusion
+autotune cache in JAX's cache directory, one compiling at a time (`kernjax/xla.py`), and the test
+reads the algorithms both processes chose from their optimized programs. On the CPU: the same
 path, nothing to choose."""
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def test_gemm_choices_reads_the_choice_of_each_gemm_by_its_shapes(tmp_path):
 def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
     """What a kernjax parent set for its cache is inherited, not chosen: a child given a cache of
     its own (`KERNJAX_XLA_CACHE`) uses it, one not given one keeps the parent's, and what the user
-    set stays, its XLA flags too (importing kernjax imports no jax: a fraction of a second)."""
+    set stays, its XLA flags too (importing kernjax imports no jax: a fraction of a second). GEMMs
+    are timed unless JAX's cache, or its autotune part, is off: then each takes its first
+    candidate untimed, there being nothing to share the timings through."""
     keys = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "KERNJAX_XLA_SET")
     base = {k: v for k, v in os.environ.items() if k not in keys}
 
@@ -106,15 +109,18 @@ def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
         assert p.returncode == 0, p.stderr
         return dict(zip(keys, json.loads(p.stdout)))
 
-    def uses(got, jax_dir, flag=xla.UNTIMED):
-        return got["XLA_FLAGS"].split().count(flag) == 1 and \
+    def uses(got, jax_dir, untimed=False):
+        return got["XLA_FLAGS"].split().count(xla.UNTIMED) == untimed and \
             got["JAX_COMPILATION_CACHE_DIR"] == str(tmp_path / jax_dir)
 
-    parent = child("p")
+    parent = child("p")  # GEMMs timed, the timings shared through JAX's cache
     assert uses(parent, "p/jax"), parent
     assert uses(child("c", **parent), "c/jax")
     assert uses(child("p", **parent), "p/jax")
     timed = "--xla_gpu_exclude_nondeterministic_ops=false"
     user = parent | {"XLA_FLAGS": timed, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "uj")}
     got = child("c", **user)
-    assert uses(got, "uj", timed) and xla.UNTIMED not in got["XLA_FLAGS"], got
+    assert uses(got, "uj") and timed in got["XLA_FLAGS"].split(), got
+    for off in [{"JAX_ENABLE_COMPILATION_CACHE": "false"},  # nothing to share timings through
+                {"JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES": "xla_gpu_kernel_cache_file"}]:
+        assert uses(child("c", **off), "c/jax", untimed=True), off
