@@ -75,19 +75,25 @@ def child(rows: list[int], iters: int, layouts: list[str]) -> dict:
 def gemm(line: str) -> tuple[str, str, str | None] | None:
     """A GEMM of an optimized HLO module's text (one instruction a line): its result and operand
     shapes, its kind and XLA's choice for it: a cuBLAS custom call's target and the algorithm
-    selected, or a Triton GEMM fusion (`triton_gemm`) and its tiling (`MxNxK`, then split_k,
-    stages, warps, ... where given); else None."""
+    selected, or a Triton GEMM fusion and its tiling: `triton_gemm` (`MxNxK`, then split_k,
+    stages, warps, ... where given), or `triton_nested_gemm` (jax 0.11.2 on an H200), a fusion
+    whose tiles XLA gives on it and on each operand fusion inside it (`AxB`, ';' between tiles,
+    then stages, warps, ...); else None."""
     t = re.search(r'custom_call_target="(__cublas[^"]*)"', line)
     if t is not None:
         alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
         return " ".join(re.findall(r"\w+\[[\d,]*\]", line[:t.start()])), t.group(1), alg and alg.group(1)
-    if '"__triton_gemm"' not in line:
+    k = re.search(r'"kind":"__(triton\w*gemm)(?:_fusion)?"', line)
+    if k is None:
         return None
     shapes = re.findall(r"\w+\[[\d,]*\]", line[:line.find(", kind=")])
-    c = re.search(r'"triton_gemm_config":(\{[^{}]*\})', line)
-    cfg = {k: str(v) for k, v in json.loads(c.group(1)).items()} if c else {}
-    tile = "x".join(cfg.pop(k, "?") for k in ("block_m", "block_n", "block_k"))
-    return " ".join(shapes), "triton_gemm", ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
+    c = re.search(r'"(triton_gemm_config|block_level_fusion_config)":', line)
+    cfg = json.JSONDecoder().raw_decode(line, c.end())[0] if c else {}
+    if "output_tiles" in cfg:
+        tile = ";".join("x".join(map(str, t.get("sizes", []))) for t in cfg.pop("output_tiles"))
+    else:
+        tile = "x".join(str(cfg.pop(k, "?")) for k in ("block_m", "block_n", "block_k"))
+    return " ".join(shapes), k.group(1), ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
 
 
 def pick(g: tuple[str, str, str | None]) -> str:

@@ -5,8 +5,8 @@ happen in place, puts the kept weights on the device, allocates the states (zero
 fills and tables from the item, arrivals from the stage before, departures to the stage after.
 Before anything compiles it checks the weights against the manifest, tensor by tensor.
 
-The program is compiled when the stage opens, under `xla.compile_lock`, so that every process of
-a cut reads the same GEMM choices (`kernjax/xla.py`).
+The program is compiled when the stage opens, with the kernel choices every process of a cut
+makes alike (`kernjax/xla.py`).
 """
 
 from __future__ import annotations
@@ -117,14 +117,13 @@ class Runner:
     def _compile(self, exported, specs, names, donate):
         """`exported` compiled for this stage: its states donated, `next_token` (of its outputs
         `names`) published to the host by the program (`kernjax.tokens`), CUDA graphs by its
-        rows, under the lock."""
+        rows."""
         call, leaf = exported.call, None
         if self.ring is not None:
             leaf = names.index("next_token")
             call, specs = self.ring.wrap(call, leaf), [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
-        with xla.compile_lock():
-            fn = jax.jit(call, donate_argnums=donate).lower(*specs).compile(
-                xla.compile_options(self.art.item.rows))
+        fn = jax.jit(call, donate_argnums=donate).lower(*specs).compile(
+            xla.compile_options(self.art.item.rows))
         return fn if leaf is None else tokens.Published(fn, self.ring, leaf)
 
     def reset(self) -> None:

@@ -1,17 +1,13 @@
 """What every kernjax process sets up before jax makes its backend: one kernel choice per call in
 every process of a cut, and compiled programs kept across restarts.
 
-- **One GEMM choice in every process, timed once.** XLA:GPU picks each GEMM's kernel (a
-  cuBLASLt algorithm, or a Triton tiling) by timing candidates, and two processes timing the same
-  GEMM pick differently (on an H200, jax 0.11.2: one or two of a 4B model's four GEMMs at 512
-  rows, `experiments/autotune.py`). So they share one timing: with its persistent cache on, JAX
-  points XLA's per-fusion autotune cache at `xla_gpu_per_fusion_autotune_cache_dir/` in that
-  cache's directory (whatever `XLA_FLAGS` says); the first process to compile a GEMM times it and
-  writes its choice there, every later one reads it, and `compile_lock` lets one process at a
-  time compile. Processes on other machines, or with another cache, time their own: give them
-  the same directory, or `--xla_gpu_exclude_nondeterministic_ops=true` everywhere (each GEMM's
-  first candidate, untimed: the same in every process, ~1.7 % slower at 8k, docs/bitwise.md item
-  3). kernjax sets that flag itself when JAX's cache or its autotune part is off.
+- **One GEMM choice in every process, untimed.** XLA:GPU picks each cuBLASLt GEMM's algorithm
+  by timing candidates, and two processes compiling the same call pick differently (on an H200,
+  jax 0.11.2: one or two of a 4B model's four GEMMs at 512 rows in each of three pairs,
+  `experiments/autotune.py`), so whole and stages could differ; nor does XLA keep those choices
+  in its per-fusion autotune cache to share. `--xla_gpu_exclude_nondeterministic_ops=true` makes
+  its autotuner take each GEMM's first candidate (cuBLASLt's own heuristic) without timing: the
+  same in every process, 0.8-1.8 % slower at 8k and 3 s less to compile (docs/bitwise.md, item 3).
 - **No dot merging.** XLA's dot merger joins GEMMs that share an operand (gate and up; q, k, v)
   below 16 M elements (512 rows, not 8192) over the weights concatenated: a copy of ~100 MB of
   weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
@@ -31,8 +27,6 @@ Each is left alone when the user has set it (`XLA_FLAGS`, `JAX_COMPILATION_CACHE
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import sys
 from pathlib import Path
@@ -50,7 +44,7 @@ def cache_root() -> Path:
     return cache_dir() / "xla"
 
 
-UNTIMED = "--xla_gpu_exclude_nondeterministic_ops=true"  # each GEMM's first candidate, untimed
+UNTIMED = "--xla_gpu_exclude_nondeterministic_ops=true"
 
 
 def configure() -> None:
@@ -61,11 +55,8 @@ def configure() -> None:
             os.environ.get("JAX_COMPILATION_CACHE_DIR") == inherited:
         del os.environ["JAX_COMPILATION_CACHE_DIR"]
     flags = os.environ.get("XLA_FLAGS", "")
-    caches = os.environ.get("JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES", "all")  # jax's test
-    shared = os.environ.get("JAX_ENABLE_COMPILATION_CACHE", "1").lower() not in ("0", "false") \
-        and (caches == "all" or "xla_gpu_per_fusion_autotune_cache_dir" in caches)
-    if "exclude_nondeterministic_ops" not in flags and not shared:
-        flags += " " + UNTIMED  # nothing to share the timings through: none taken
+    if "exclude_nondeterministic_ops" not in flags:
+        flags += " " + UNTIMED
     if "xla_disable_hlo_passes" not in flags:
         flags += " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
@@ -95,22 +86,3 @@ def serving() -> None:
     """CUDA graphs whose temporaries stay put (see above); before jax makes its backend."""
     if "command_buffer_update_mode" not in (flags := os.environ.get("XLA_FLAGS", "")):
         os.environ["XLA_FLAGS"] = f"{flags} --xla_gpu_command_buffer_update_mode=SKIP_TEMP".strip()
-
-
-@contextlib.contextmanager
-def compile_lock():
-    """Held while compiling on a GPU, over every process that shares JAX's cache: one at a time
-    times new GEMMs and writes their choices, the others read them (see above)."""
-    import jax
-
-    d = jax.config.jax_compilation_cache_dir
-    if jax.default_backend() != "gpu" or not d:
-        yield
-        return
-    Path(d).mkdir(parents=True, exist_ok=True)
-    with open(Path(d) / "kernjax-compile.lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
