@@ -819,7 +819,9 @@ class Results:
                      "one-pass program (rows = S) has context S, one per S.")
                   + " The compile table lists each program once, at the first prompt that used "
                   "it. Compiling runs with kernjax's XLA set-up (`kernjax/xla.py`: each GEMM's "
-                  "algorithm chosen untimed, JAX's persistent compilation cache) in "
+                  + ("algorithm chosen untimed" if "exclude_nondeterministic_ops=true" in
+                     d.get("xla_flags", "") else "kernel timed by XLA (XLA_FLAGS above)")
+                  + ", JAX's persistent compilation cache) in "
                   + ("a fresh directory for this run: every program's first compile is a "
                      "cold one." if d["xla_cache"] and "prefill-xla-" in
                      d["xla_cache"] else f"`{d['xla_cache']}`, set by the caller (maybe warm)."),
