@@ -5,11 +5,11 @@ every process of a cut, and compiled programs kept across restarts.
   by timing candidates, and two processes compiling the same call pick differently (on an H200,
   jax 0.11.2: one or two of a 4B model's four GEMMs at 512 rows in each of three pairs,
   `experiments/autotune.py`), so whole and stages could differ.
-  `--xla_gpu_exclude_nondeterministic_ops=true` makes its autotuner take each GEMM's first candidate (cuBLASLt's own heuristic) without timing:
-  the same in every process and on every host, 3 s less to compile. Timed choices shared through
-  JAX's cache (XLA's per-fusion autotune directory in it, one compile at a time) measured within
-  run-to-run spread of these over the prefill table and hold on one host only (docs/bitwise.md,
-  item 3).
+  `--xla_gpu_exclude_nondeterministic_ops=true` makes its autotuner take each GEMM's first
+  candidate (cuBLASLt's own heuristic) without timing: the same in every process and on every
+  host, 3 s less to compile. Timed choices shared through JAX's cache (XLA's per-fusion autotune
+  directory in it, one compile at a time) measured within run-to-run spread of these over the
+  prefill table and hold on one host only (docs/bitwise.md, item 3).
 - **No dot merging.** XLA's dot merger joins GEMMs that share an operand (gate and up; q, k, v)
   below 16 M elements (512 rows, not 8192) over the weights concatenated: a copy of ~100 MB of
   weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
