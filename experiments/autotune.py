@@ -83,8 +83,8 @@ def gemm(line: str) -> tuple[str, str, str | None] | None:
     if t is not None:
         alg = re.search(r'"selected_algorithm":"?(-?\d+)', line)
         return " ".join(re.findall(r"\w+\[[\d,]*\]", line[:t.start()])), t.group(1), alg and alg.group(1)
-    k = re.search(r'"kind":"__(triton\w*gemm)(?:_fusion)?"', line)
-    if k is None:
+    kind = re.search(r'"kind":"__(triton\w*gemm)(?:_fusion)?"', line)
+    if kind is None:
         return None
     shapes = re.findall(r"\w+\[[\d,]*\]", line[:line.find(", kind=")])
     c = re.search(r'"(triton_gemm_config|block_level_fusion_config)":', line)
@@ -93,7 +93,7 @@ def gemm(line: str) -> tuple[str, str, str | None] | None:
         tile = ";".join("x".join(map(str, t.get("sizes", []))) for t in cfg.pop("output_tiles"))
     else:
         tile = "x".join(str(cfg.pop(k, "?")) for k in ("block_m", "block_n", "block_k"))
-    return " ".join(shapes), k.group(1), ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
+    return " ".join(shapes), kind.group(1), ",".join([tile, *(f"{k}={v}" for k, v in sorted(cfg.items()))])
 
 
 def pick(g: tuple[str, str, str | None]) -> str:
