@@ -49,8 +49,9 @@ def silu_mul(g, u):
 def interleave(wg, wu, half: int):
     """[out, in] gate and up weights as one [in, 2·out]: per block of `half` columns, gate's,
     then up's."""
-    blocks = lambda w: w.T.reshape(D, F // half, half)  # noqa: E731
-    return jnp.stack([blocks(wg), blocks(wu)], axis=2).reshape(D, 2 * F)
+    (f, d) = wg.shape
+    blocks = lambda w: w.T.reshape(d, f // half, half)  # noqa: E731
+    return jnp.stack([blocks(wg), blocks(wu)], axis=2).reshape(d, 2 * f)
 
 
 def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool):

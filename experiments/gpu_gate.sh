@@ -35,6 +35,9 @@
 #              a fresh process for each of $AUTOTUNE_SETS (default: XLA's timed choice, then
 #              kernjax's flags, untimed, twice: do two processes pick alike?), at $AUTOTUNE_ROWS
 #              (512,8192), on weights laid out as $AUTOTUNE_LAYOUTS (oi: [out, in]; io: [in, out])
+#   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
+#              against the model's two calls and against the same GEMM and a silu·mul kernel
+#              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them;
 #              with $GEMM_SETS (XLA's GEMM routes: default cublaslt tritonws cudnn notriton) the
@@ -409,6 +412,11 @@ for step in "$@"; do
     python experiments/autotune.py --rows "${AUTOTUNE_ROWS:-512,8192}" --layouts "${AUTOTUNE_LAYOUTS:-oi}" \
       --sets "${AUTOTUNE_SETS:-timed,kernjax,kernjax-again}" > "$OUT/logs/autotune.log" 2>&1
     grep -vE "^\|---" "$OUT/logs/autotune.log" | say ;;
+  fusedmlp)
+    log "gate/up with silu·mul in a GEMM's epilogue, against the calls and apart (roadmap K13)"
+    python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
+      > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
+    grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
   gemms)
     if [ -z "${GEMM_SETS:-}" ]; then
       log "a layer's GEMMs, separate and merged"

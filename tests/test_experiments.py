@@ -509,3 +509,28 @@ def test_attention_anchors_run_only_where_they_compute_the_same_function():
     for kernel in ("torch-cudnn", "fa3", "fa3-paged"):
         r = run("--kernel", kernel, "--small", "--interpret")
         assert r.returncode == 2 and "run on a GPU only" in r.stderr, r.stderr
+
+
+def test_fused_mlp_lays_gate_and_up_out_by_blocks_and_its_kernels_lower_for_an_h200():
+    """`experiments/fused_mlp.py` (roadmap K13): the weights [in, 2·out] hold, per block of
+    `half` columns, gate's then up's; the fused GEMM, the GEMM apart and the silu·mul kernel
+    lower for an H200 here (Mosaic GPU), so that a device call finds them runnable."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import fused_mlp
+
+    wg, wu = jnp.arange(24.0).reshape(8, 3), 100 + jnp.arange(24.0).reshape(8, 3)
+    w = np.asarray(fused_mlp.interleave(wg, wu, 2))
+    assert w.shape == (3, 16)
+    np.testing.assert_array_equal(w[:, 0:2], np.asarray(wg).T[:, 0:2])
+    np.testing.assert_array_equal(w[:, 2:4], np.asarray(wu).T[:, 0:2])
+    np.testing.assert_array_equal(w[:, 14:16], np.asarray(wu).T[:, 6:8])
+    S = jax.ShapeDtypeStruct
+    x, w = S((256, fused_mlp.D), jnp.bfloat16), S((fused_mlp.D, 2 * fused_mlp.F), jnp.bfloat16)
+    kw = dict(tile_m=64, tile_n=256, tile_k=64, steps=3)
+    for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **kw), (x, w)),
+                     (functools.partial(fused_mlp.gemm, fused=False, **kw), (x, w)),
+                     (fused_mlp.silu_mul_kernel, [S((256, fused_mlp.F), jnp.bfloat16)] * 2)]:
+        assert "mosaic_gpu" in fused_mlp.for_h200(fn, *args)
