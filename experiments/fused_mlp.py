@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import functools
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,6 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
+from gemms import timed  # noqa: E402  (median ms of rounds of `iters` runs)
 
 D, F = 2560, 9728  # qwen3-4b: hidden, MLP
 
@@ -180,18 +180,6 @@ def for_h200(fn, *args) -> str:
 
 def fenced(f):
     return lambda *a: lax.optimization_barrier(f(*lax.optimization_barrier(a)))
-
-
-def timed(run, args, iters: int) -> float:
-    jax.block_until_ready(run(*args))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = run(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters)
-    return 1e3 * float(np.median(ts))
 
 
 def main() -> None:
