@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
-from gemms import timed  # noqa: E402  (median ms of rounds of `iters` runs)
+from gemms import fenced, timed  # noqa: E402  (a call's barriers; median ms of rounds)
 
 D, F = 2560, 9728  # qwen3-4b: hidden, MLP
 
@@ -44,6 +44,11 @@ def silu_mul(g, u):
     epilogue and the kernel apart run."""
     g, u = g.astype(jnp.float32), u.astype(jnp.float32)
     return (g / (1.0 + jnp.exp(-g)) * u).astype(jnp.bfloat16)
+
+
+def sms() -> int:
+    """The GPU's SMs; an H200's 132 where the kernels are only lowered."""
+    return jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
 
 
 def interleave(wg, wu, half: int):
@@ -134,10 +139,9 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
     return plgpu.kernel(
         body, out_type=[jax.ShapeDtypeStruct((m, F), jnp.bfloat16)] * outs,
-        grid=(sms,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(sms(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(x, w)
 
@@ -150,8 +154,7 @@ def silu_mul_kernel(g, u, *, block=(64, 128)):
 
     m, n = g.shape
     spec = pl.BlockSpec(block, lambda i, j: (i, j))
-    sms = jax.devices()[0].core_count if jax.default_backend() == "gpu" else 132
-    per = -(-(m // block[0]) // sms)  # block rows per SM
+    per = -(-(m // block[0]) // sms())  # block rows per SM
 
     def body(g_gmem, u_gmem, o_gmem):
         sm = lax.axis_index("sm")
@@ -165,21 +168,14 @@ def silu_mul_kernel(g, u, *, block=(64, 128)):
             g_gmem.at[rows], u_gmem.at[rows], o_gmem.at[rows])
 
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), jnp.bfloat16),
-                        grid=(min(sms, m // block[0]),), grid_names=("sm",))(g, u)
+                        grid=(min(sms(), m // block[0]),), grid_names=("sm",))(g, u)
 
 
 def for_h200(fn, *args) -> str:
-    """`fn` lowered for an H200 on any machine (under an abstract device, as
-    `models.attention_hopper.lower_for_h200`), as text."""
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text(
-            debug_info=False)
+    """`fn` lowered for an H200 (132 SMs) on any machine, as text."""
+    from models.attention_hopper import on_h200
 
-
-def fenced(f):
-    return lambda *a: lax.optimization_barrier(f(*lax.optimization_barrier(a)))
+    return on_h200(fn, *args, num_cores=132).as_text(debug_info=False)
 
 
 def main() -> None:
@@ -199,6 +195,7 @@ def main() -> None:
     gate_up = jax.jit(fenced(lambda x, wg, wu: (linear(x, wg), linear(x, wu))))
     silu = jax.jit(fenced(model_silu_mul))
     xla = lambda x, wg, wu: silu(*gate_up(x, wg, wu))  # noqa: E731
+    silu_k = jax.jit(silu_mul_kernel)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b MLP, D={D} F={F}",
           flush=True)
     print("| rows | tiles | xla ms | apart ms | fused ms | fused / xla | max diff vs xla | "
@@ -212,7 +209,7 @@ def main() -> None:
             w = interleave(wg, wu, tn // 2)
             fused = jax.jit(functools.partial(gemm, fused=True, **kw))
             apart_gemm = jax.jit(functools.partial(gemm, fused=False, **kw))
-            apart = lambda x, w: jax.jit(silu_mul_kernel)(*apart_gemm(x, w))  # noqa: E731
+            apart = lambda x, w: silu_k(*apart_gemm(x, w))  # noqa: E731
             name = f"{tm}x{tn}x{tk} s{steps}"
             try:
                 if a.lower:

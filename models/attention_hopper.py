@@ -491,14 +491,19 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
     under an abstract device: Qwen3-4B's heads (32 over 8, D 128, bf16), `rows` query rows, 4
     sequences over 257 pages; `kw` goes to the kernel (block sizes, the experimental options)."""
     fn = fn or chunk_attention
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     S = jax.ShapeDtypeStruct
     args = (S((257, 16, 2, 8, 128), jnp.bfloat16), S((rows, 32, 128), jnp.bfloat16),
             S((rows,), jnp.int32), S((5,), jnp.int32), S((4, 64), jnp.int32))
+    return on_h200(lambda *a: fn(*a, scale=128 ** -0.5, **kw), *args)
+
+
+def on_h200(fn, *args, num_cores=None) -> jax.stages.Lowered:
+    """`fn` of `args` (shapes) lowered for an H200 on any machine, under an abstract device."""
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=num_cores,
+                                      platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
     with jax.sharding.use_abstract_mesh(mesh):
-        return jax.jit(lambda *a: fn(*a, scale=128 ** -0.5, **kw)).trace(*args).lower(
-            lowering_platforms=("cuda",))
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_kv", "steps", "interpret",
