@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 from pathlib import Path
 
@@ -59,24 +60,27 @@ def interleave(wg, wu, half: int):
     return jnp.stack([blocks(wg), blocks(wu)], axis=2).reshape(d, 2 * f)
 
 
-def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool):
-    """x [M, K] @ w [K, 2F] (`interleave`d), each CTA 2·tile_m rows by tile_n columns, each of its
-    two compute warpgroups tile_m of the rows; fused: silu·mul of each block's gate and up
-    halves, [M, F]; else gate and up, two [M, F]."""
+def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool,
+         wg_n: bool = False, minor: int = 1, width: int = 1):
+    """x [M, K] @ w [K, 2F] (`interleave`d by tile_n / 2), each compute warpgroup of a CTA's two
+    tile_m rows by tile_n columns, the two side by side (wg_n) or one above the other; the
+    CTAs' tiles in `plgpu.planar_snake` order (minor dimension 0 rows, 1 columns, `width` tiles
+    wide). fused: silu·mul of each block's gate and up halves, [M, F]; else gate and up, two
+    [M, F]."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, k = x.shape
     half = tile_n // 2
-    cta_m = 2 * tile_m
-    if m % cta_m or k % tile_k or F % half:
-        raise ValueError(f"rows {m}, K {k}: tiles {cta_m} x {tile_n} x {tile_k} do not divide")
+    cta_m, cta_n = (tile_m, 2 * tile_n) if wg_n else (2 * tile_m, tile_n)
+    if m % cta_m or k % tile_k or (2 * F) % cta_n:
+        raise ValueError(f"rows {m}, K {k}: tiles {cta_m} x {cta_n} x {tile_k} do not divide")
     swz = plgpu.find_swizzle(tile_k * 16)
     tr = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
-    epi = 64  # epilogue tiles of tile_m x 64 columns
+    epi = 64  # epilogue tiles of 64 x 64
     out_swz = plgpu.find_swizzle(epi * 16)
     out_tr = (plgpu.TilingTransform((8, out_swz // 2)), plgpu.SwizzleTransform(out_swz))
-    m_tiles, n_tiles = m // cta_m, F // half
+    m_tiles, n_tiles = m // cta_m, 2 * F // cta_n
     outs = 1 if fused else 2
 
     def body(x_gmem, w_gmem, *out_gmem):
@@ -85,7 +89,7 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
                 step, grid=(k // tile_k,), memory_registers=40,
                 in_specs=[plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk), transforms=tr,
                                           memory_space=plgpu.SMEM),
-                          plgpu.BlockSpec((tile_k, tile_n), lambda kk: (kk, 0), transforms=tr,
+                          plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=tr,
                                           memory_space=plgpu.SMEM)],
                 wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
                 compute_context=context)
@@ -95,7 +99,7 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
         @functools.partial(
             pl.run_scoped,
             allocs=pipeline(nothing, nothing).get_allocations(x_gmem, w_gmem),
-            out_smem=plgpu.SMEM((2, 2, tile_m, epi), jnp.bfloat16, transforms=out_tr),
+            out_smem=plgpu.SMEM((2, 2, epi, epi), jnp.bfloat16, transforms=out_tr),
             collective_axes="wg")
         def scope(allocs, out_smem):
             wg = lax.axis_index("wg")
@@ -103,8 +107,11 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
             @plgpu.nd_loop((m_tiles * n_tiles,), collective_axes="sm")
             def tiles(info):
                 (lin,) = info.index
-                mi, ni = lin // n_tiles, lin % n_tiles  # a row of tiles shares x's block
+                mi, ni = plgpu.planar_snake(lin, (m_tiles, n_tiles), minor, width)
                 rows = pl.ds(mi * cta_m, cta_m)
+                wg_rows = pl.ds(0 if wg_n else wg * tile_m, tile_m)
+                wg_cols = pl.ds(wg * tile_n if wg_n else 0, tile_n)
+                block = ni * (cta_n // tile_n) + (wg if wg_n else 0)  # of gate | up, tile_n wide
 
                 def context(run):
                     @functools.partial(pl.run_scoped,
@@ -114,9 +121,10 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
                         acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         slot = 0
-                        for c in range(half // epi):
-                            g = acc[:, c * epi:(c + 1) * epi].astype(jnp.bfloat16)
-                            u = acc[:, half + c * epi:half + (c + 1) * epi].astype(jnp.bfloat16)
+                        for r, c in itertools.product(range(tile_m // epi), range(half // epi)):
+                            at = (slice(r * epi, (r + 1) * epi), slice(c * epi, (c + 1) * epi))
+                            g = acc[at].astype(jnp.bfloat16)
+                            u = acc[at[0], half + c * epi:half + (c + 1) * epi].astype(jnp.bfloat16)
                             parts = [silu_mul(g, u)] if fused else [g, u]
                             for o, part in enumerate(parts):
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
@@ -124,17 +132,17 @@ def gemm(x, w, *, tile_m: int, tile_n: int, tile_k: int, steps: int, fused: bool
                                 plgpu.commit_smem()
                                 plgpu.copy_smem_to_gmem(
                                     out_smem.at[wg, slot],
-                                    out_gmem[o].at[rows].at[pl.ds(wg * tile_m, tile_m)]
-                                    .at[:, pl.ds(ni * half + c * epi, epi)])
+                                    out_gmem[o].at[rows].at[wg_rows].at[at[0]]
+                                    .at[:, pl.ds(block * half + c * epi, epi)])
                                 slot ^= 1
 
                 def step(_, x_smem, w_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem.at[pl.ds(wg * tile_m, tile_m)], w_smem)
+                    plgpu.wgmma(acc_ref, x_smem.at[wg_rows], w_smem.at[:, wg_cols])
                     plgpu.wgmma_wait(0)
                     return acc_ref
 
                 pipeline(step, context)(x_gmem.at[rows, :],
-                                        w_gmem.at[:, pl.ds(ni * tile_n, tile_n)],
+                                        w_gmem.at[:, pl.ds(ni * cta_n, cta_n)],
                                         allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -171,6 +179,15 @@ def silu_mul_kernel(g, u, *, block=(64, 128)):
                         grid=(min(sms(), m // block[0]),), grid_names=("sm",))(g, u)
 
 
+def config(text: str) -> tuple[str, dict]:
+    """`--tiles`' one config as (its name, `gemm`'s keywords)."""
+    tm, tn, tk, steps, *rest = text.split(",")
+    wgs, minor, width = rest + ["M", "N", "1"][len(rest):]
+    name = f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}"
+    return name, dict(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), steps=int(steps),
+                      wg_n=wgs == "N", minor="MN".index(minor), width=int(width))
+
+
 def for_h200(fn, *args) -> str:
     """`fn` lowered for an H200 (132 SMs) on any machine, as text."""
     from models.attention_hopper import on_h200
@@ -182,13 +199,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--tiles", default="64,256,64,3;64,256,64,4;128,128,64,3",
-                    help="tile_m,tile_n,tile_k,steps per config, ';' between (tile_m per warpgroup)")
+    ap.add_argument("--tiles", default="128,128,64,4,N,M,8;128,128,64,3,M,N,8;64,256,64,3,M,N,1",
+                    help="tile_m,tile_n,tile_k,steps[,wgs,minor,width] per config, ';' between: "
+                         "a warpgroup's tile; its two warpgroups side by side (wgs N) or one "
+                         "above the other (M, the default); tiles ordered by plgpu.planar_snake "
+                         "along `minor` (M or N, default N), `width` tiles wide (default 1)")
     ap.add_argument("--lower", action="store_true", help="lower the kernels only (a CPU can)")
     a = ap.parse_args()
     from models.qwen3 import linear, silu_mul as model_silu_mul
 
-    configs = [tuple(map(int, c.split(","))) for c in a.tiles.split(";")]
+    configs = [config(c) for c in a.tiles.split(";")]
     keys = jax.random.split(jax.random.key(0), 3)
     wg, wu = ((0.02 * jax.random.normal(kk, (F, D), jnp.float32)).astype(jnp.bfloat16)
               for kk in keys[1:])
@@ -204,13 +224,11 @@ def main() -> None:
         x = jax.random.normal(keys[0], (rows, D), jnp.float32).astype(jnp.bfloat16)
         ref = None if a.lower else np.asarray(xla(x, wg, wu), np.float32)
         t_xla = None if a.lower else timed(xla, (x, wg, wu), a.iters)
-        for tm, tn, tk, steps in configs:
-            kw = dict(tile_m=tm, tile_n=tn, tile_k=tk, steps=steps)
-            w = interleave(wg, wu, tn // 2)
+        for name, kw in configs:
+            w = interleave(wg, wu, kw["tile_n"] // 2)
             fused = jax.jit(functools.partial(gemm, fused=True, **kw))
             apart_gemm = jax.jit(functools.partial(gemm, fused=False, **kw))
             apart = lambda x, w: silu_k(*apart_gemm(x, w))  # noqa: E731
-            name = f"{tm}x{tn}x{tk} s{steps}"
             try:
                 if a.lower:
                     S = jax.ShapeDtypeStruct

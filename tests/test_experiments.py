@@ -529,8 +529,13 @@ def test_fused_mlp_lays_gate_and_up_out_by_blocks_and_its_kernels_lower_for_an_h
     np.testing.assert_array_equal(w[:, 14:16], np.asarray(wu).T[:, 6:8])
     S = jax.ShapeDtypeStruct
     x, w = S((256, fused_mlp.D), jnp.bfloat16), S((fused_mlp.D, 2 * fused_mlp.F), jnp.bfloat16)
-    kw = dict(tile_m=64, tile_n=256, tile_k=64, steps=3)
-    for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **kw), (x, w)),
-                     (functools.partial(fused_mlp.gemm, fused=False, **kw), (x, w)),
+    name, wgs_n = fused_mlp.config("128,128,64,4,N,M,8")
+    assert name == "128x128x64 s4 wg=N M8"
+    assert wgs_n == dict(tile_m=128, tile_n=128, tile_k=64, steps=4, wg_n=True, minor=0, width=8)
+    wgs_m = fused_mlp.config("64,256,64,3")[1]
+    assert (wgs_m["wg_n"], wgs_m["minor"], wgs_m["width"]) == (False, 1, 1)
+    for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **wgs_n), (x, w)),
+                     (functools.partial(fused_mlp.gemm, fused=False, **wgs_n), (x, w)),
+                     (functools.partial(fused_mlp.gemm, fused=True, **wgs_m), (x, w)),
                      (fused_mlp.silu_mul_kernel, [S((256, fused_mlp.F), jnp.bfloat16)] * 2)]:
         assert "mosaic_gpu" in fused_mlp.for_h200(fn, *args)
