@@ -38,6 +38,8 @@
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
 #              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13
+#   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
+#              kernel against XLA's two, at $ADDNORM_ROWS (512,2048,8192)
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
 #              into down), at 512, 2048 and 8192 rows: what issue 6's 65 % could get from them;
 #              with $GEMM_SETS (XLA's GEMM routes: default cublaslt tritonws cudnn notriton) the
@@ -417,6 +419,11 @@ for step in "$@"; do
     python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
       > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
+  addnorm)
+    log "the residual add and the next RMSNorm as one kernel, against XLA's"
+    python experiments/add_norm.py --rows "${ADDNORM_ROWS:-512,2048,8192}" \
+      > "$OUT/logs/add_norm.log" 2>&1 || echo "add_norm.py: exit $?" >> "$OUT/logs/add_norm.log"
+    grep -E "^\||exit" "$OUT/logs/add_norm.log" | say ;;
   gemms)
     if [ -z "${GEMM_SETS:-}" ]; then
       log "a layer's GEMMs, separate and merged"

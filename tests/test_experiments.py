@@ -539,3 +539,24 @@ def test_fused_mlp_lays_gate_and_up_out_by_blocks_and_its_kernels_lower_for_an_h
                      (functools.partial(fused_mlp.gemm, fused=True, **wgs_m), (x, w)),
                      (fused_mlp.silu_mul_kernel, [S((256, fused_mlp.F), jnp.bfloat16)] * 2)]:
         assert "mosaic_gpu" in fused_mlp.for_h200(fn, *args)
+
+
+def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_ulp():
+    """`experiments/add_norm.py`'s one-kernel add + RMSNorm (Pallas interpret mode here): the
+    residual is the model's bit for bit, the normed rows within one bf16 step of it, for a row
+    count no block divides (the last block's rows masked)."""
+    import jax
+    import jax.numpy as jnp
+    import add_norm
+    from models.qwen3 import add_norm as model_add_norm
+
+    k = jax.random.split(jax.random.key(1), 3)
+    y, h = (jax.random.normal(kk, (13, add_norm.D), jnp.float32).astype(jnp.bfloat16)
+            for kk in k[:2])
+    w = (1 + 0.1 * jax.random.normal(k[2], (add_norm.D,), jnp.float32)).astype(jnp.bfloat16)
+    want_n, want_s = model_add_norm(y, h, w, eps=add_norm.EPS)
+    n, s = add_norm.add_norm(y, h, w, block_rows=4, interpret=True)
+    assert np.asarray(s).tobytes() == np.asarray(want_s).tobytes()
+    n, want_n = np.asarray(n, np.float32), np.asarray(want_n, np.float32)
+    step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want_n), 1e-30))) - 7)  # a bf16 ulp
+    assert np.all(np.abs(n - want_n) <= step), float(np.max(np.abs(n - want_n) / step))
