@@ -544,7 +544,9 @@ def test_fused_mlp_lays_gate_and_up_out_by_blocks_and_its_kernels_lower_for_an_h
 def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_ulp():
     """`experiments/add_norm.py`'s one-kernel add + RMSNorm (Pallas interpret mode here): the
     residual is the model's bit for bit, the normed rows within one bf16 step of it, for a row
-    count no block divides (the last block's rows masked)."""
+    count no block divides (the last block's rows masked); it lowers for an H200 here."""
+    import functools
+
     import jax
     import jax.numpy as jnp
     import add_norm
@@ -560,3 +562,9 @@ def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_u
     n, want_n = np.asarray(n, np.float32), np.asarray(want_n, np.float32)
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want_n), 1e-30))) - 7)  # a bf16 ulp
     assert np.all(np.abs(n - want_n) <= step), float(np.max(np.abs(n - want_n) / step))
+    from models.attention_hopper import on_h200
+
+    S = jax.ShapeDtypeStruct
+    shapes = [S((8192, add_norm.D), jnp.bfloat16)] * 2 + [S((add_norm.D,), jnp.bfloat16)]
+    lowered = on_h200(functools.partial(add_norm.add_norm, block_rows=8, warps=8), *shapes)
+    assert "__gpu$xla.gpu.triton" in lowered.as_text(debug_info=False)
