@@ -14,8 +14,11 @@ qwen3-4b's MLP input at `--rows` rows: x [rows, 2560] bf16, gate and up weights 
 
 The weights are laid out once (not timed) as [2560, 2 × 9728]: per block of `tile_n / 2`
 columns, gate's then up's, so that one warpgroup's accumulator holds both for the same columns.
-Prints ms per row count, `fused` against `xla`, the largest difference from `xla`, and whether
-`fused` and `apart` agree bit for bit (the condition for K13's split = whole).
+Prints ms per row count, `fused` against `xla`, the largest difference from `xla`, whether
+`fused` and `apart` agree bit for bit (the condition for K13's split = whole), whether the GEMM's
+gate and up are cuBLASLt's bit for bit (then a cut could keep cuBLASLt's GEMM), and whether
+`fused` is the epilogue's silu·mul compiled by XLA on cuBLASLt's gate and up (then a cut could
+keep XLA's kernels altogether).
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
@@ -219,10 +222,13 @@ def main() -> None:
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b MLP, D={D} F={F}",
           flush=True)
     print("| rows | tiles | xla ms | apart ms | fused ms | fused / xla | max diff vs xla | "
-          "fused = apart |\n|---:|---|---:|---:|---:|---:|---:|---|", flush=True)
+          "fused = apart | gate, up = cuBLASLt's | fused = XLA's silu·mul of them |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---|---|---|", flush=True)
     for rows in map(int, a.rows.split(",")):
         x = jax.random.normal(keys[0], (rows, D), jnp.float32).astype(jnp.bfloat16)
         ref = None if a.lower else np.asarray(xla(x, wg, wu), np.float32)
+        gu_xla = None if a.lower else gate_up(x, wg, wu)  # cuBLASLt's, untimed
+        own_silu = None if a.lower else jax.jit(fenced(silu_mul))(*gu_xla)
         t_xla = None if a.lower else timed(xla, (x, wg, wu), a.iters)
         for name, kw in configs:
             w = interleave(wg, wu, kw["tile_n"] // 2)
@@ -236,19 +242,22 @@ def main() -> None:
                     texts = [for_h200(f, *args) for f, args in [
                         (fused, (x, w)), (apart_gemm, (x, w)), (silu_mul_kernel, gu)]]
                     assert all("mosaic_gpu" in t for t in texts)
-                    print(f"| {rows} | {name} | lowered for an H200 | | | | | |", flush=True)
+                    print(f"| {rows} | {name} | lowered for an H200 | | | | | | | |", flush=True)
                     continue
                 out_f, out_a = fused(x, w)[0], apart(x, w)
                 t_f, t_a = timed(fused, (x, w), a.iters), timed(apart, (x, w), a.iters)
             except Exception as e:  # a tiling that does not fit: say so, go on
                 print(f"| {rows} | {name} | {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]} "
-                      "| | | | | |", flush=True)
+                      "| | | | | | | |", flush=True)
                 continue
             f32 = np.asarray(out_f, np.float32)
             diff = float(np.max(np.abs(f32 - ref)))
-            same = np.asarray(out_f).tobytes() == np.asarray(out_a).tobytes()
+            bits = lambda *v: b"".join(np.asarray(t).tobytes() for t in v)  # noqa: E731
+            same = bits(out_f) == bits(out_a)
+            gemm_same = bits(*apart_gemm(x, w)) == bits(*gu_xla)
+            silu_same = bits(out_f) == bits(own_silu)
             print(f"| {rows} | {name} | {t_xla:.4f} | {t_a:.4f} | {t_f:.4f} | {t_f / t_xla:.3f} | "
-                  f"{diff:.3g} | {same} |", flush=True)
+                  f"{diff:.3g} | {same} | {gemm_same} | {silu_same} |", flush=True)
 
 
 if __name__ == "__main__":
