@@ -18,7 +18,8 @@
 #   dump       Mosaic GPU's PTX, ptxas report and SASS of each kernel of $DUMP_KERNELS (default
 #              hopper; experiments/attention.py names) in logs/dump/<kernel>/
 #   bounds     experiments/boundaries.py: bounded vs unconstrained qwen3-4b, $ROWS (512 2048) rows
-#   chain      the chain gate: qwen3-4b bf16 cut at 18, c226 and 12,24, at each of $CHUNKS, 7 prompts
+#   chain      the chain gate: qwen3-4b bf16 cut at 18, c226, c227 (between gate_up and silu_mul:
+#              K13) and 12,24, at each of $CHUNKS, 7 prompts
 #   k3         the chain gate on k3-mini-gpu (bf16) cut at 4 and at 2,6, at each of $CHUNKS
 #   k3serve    (nvidia-h200-x2) experiments/load.py: k3-mini-gpu served whole on GPU 0 vs 2 stages on
 #              GPUs 0 and 1, packed prefill of 4.5k-9.5k-token prompts at concurrency 4 and 16
@@ -61,7 +62,7 @@
 #              8k prefill in one chunk back to back and after 3 s idle, and the attention kernel
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
-#   (chain: $ATS picks cut points, default "18 c226 12,24"; $CHUNKS the chunk sizes)
+#   (chain: $ATS picks cut points, default "18 c226 c227 12,24"; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
 #              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/
@@ -302,7 +303,7 @@ for step in "$@"; do
   chain)
     for c in $CHUNKS; do
       python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
-      for at in ${ATS:-18 c226 12,24}; do
+      for at in ${ATS:-18 c226 c227 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
         python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \

@@ -116,6 +116,16 @@ class Program:
 
 
 GPU_PLATFORMS = ("cuda", "rocm")
+_ON_GPU: dict[tuple[str, ...], Callable] = {}
+
+
+def on_gpu(*names: str) -> Callable:
+    """Registers a GPU lowering for calls named `….name`, or for a pair: such a call then one of
+    the second name reading exactly its results, which nothing else reads, run as one. It takes
+    the (first) call's arguments, returns its (the pair's last) results or None where the shapes
+    do not suit it (then XLA's). The jaxpr and cut id stay; a pair must give the bits of its
+    calls' own lowerings run apart, as across a cut (tested with a chain cut there on a GPU)."""
+    return lambda fn: _ON_GPU.setdefault(names, fn)
 
 
 def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
@@ -124,7 +134,8 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     On the CPU the jaxpr runs as it is, but for the state updates `_on_cpu` inlines. On a GPU
     every call runs as its body between two `optimization_barrier`s, inlined early: the barriers
     keep XLA:GPU from fusing across a call (what makes a cut exact there), and early inlining
-    lets it compile the body fully.
+    lets it compile the body fully; a call (or pair of calls) with a lowering of its own
+    (`on_gpu`) runs that between the barriers instead.
     """
     jp = closed.jaxpr
     gpu = platform in GPU_PLATFORMS
@@ -136,16 +147,47 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     def run(*args):
         env = dict(zip(jp.constvars, closed.consts)) | dict(zip(jp.invars, args))
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
-        for i, (e, f) in enumerate(zip(jp.eqns, fenced)):
-            outs = [(v, x) for v, x in zip(e.outvars, f(*map(read, e.invars)))
+        i = 0
+        while i < len(jp.eqns):
+            ins = [read(v) for v in jp.eqns[i].invars]
+            last, vals = (_own_lowering(jp, i, ins) if gpu else None) or (i, None)
+            if vals is None:
+                vals = fenced[i](*ins)
+            outs = [(v, x) for v, x in zip(jp.eqns[last].outvars, vals)
                     if not isinstance(v, jex.DropVar)]
-            if i in cuts and outs:  # its smallest result through a no-op the graphs stop at
-                j = min(range(len(outs)), key=lambda k: outs[k][1].size)
+            if cuts & set(range(i, last + 1)) and outs:  # its smallest result through a no-op
+                j = min(range(len(outs)), key=lambda k: outs[k][1].size)  # the graphs stop at
                 outs[j] = outs[j][0], ffi.publish(outs[j][1], 0, slot=0)
             env.update(outs)
+            i = last + 1
         return [read(v) for v in jp.outvars]
 
     return run
+
+
+def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
+    """(the last call it covers, its results) of an `on_gpu` lowering of call i (with i + 1 where
+    a pair is registered and the jaxpr allows), or None: XLA's lowering."""
+    e, nxt = jp.eqns[i], jp.eqns[i + 1:i + 2]
+    short = lambda q: q.params["name"].rsplit(".", 1)[-1]  # noqa: E731
+    rules = [(i + 1, _ON_GPU[k]) for k in [(short(e), *map(short, nxt))] if nxt and k in
+             _ON_GPU and list(nxt[0].invars) == list(e.outvars) and _only_read_by(jp, e.outvars, i + 1)]
+    for last, fn in rules + [(i, _ON_GPU[(short(e),)])] * ((short(e),) in _ON_GPU):
+        if jax.eval_shape(fn, *ins) is not None:
+            def fenced(*args, fn=fn):
+                return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
+
+            fenced.__name__ = fenced.__qualname__ = jp.eqns[last].params["name"]
+            vals = jax.jit(fenced, inline=jax.Inline.XLA_EARLY)(*ins)
+            return last, list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    return None
+
+
+def _only_read_by(jp: jex.Jaxpr, vs: Sequence, k: int) -> bool:
+    """Whether values `vs` are read by equation `k` alone (not by another, not as outputs)."""
+    ids, others = {id(v) for v in vs}, [e.invars for j, e in enumerate(jp.eqns) if j != k]
+    return not any(isinstance(v, jex.DropVar) for v in vs) and not any(
+        ids & {id(v) for v in used} for used in [jp.outvars, *others])
 
 
 GRAPH_SEGMENTS = (1, 4, 16)

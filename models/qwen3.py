@@ -38,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernjax.derive import Recipe
-from kernjax.trace import Program, Slot, call, trace
+from kernjax.trace import Program, Slot, call, on_gpu, trace
 
+from . import mlp_hopper
 from .attention import chunk_attention, exact
 
 PAGE = 16
@@ -201,6 +202,13 @@ def gate_up(m, wg, wu):
 
 def silu_mul(g, u):
     return jax.nn.silu(g) * u
+
+
+# On Hopper, gate/up and silu·mul as one GEMM with silu·mul in its epilogue where no cut falls
+# between them, the same GEMM and epilogue apart where one does (models/mlp_hopper.py, K13).
+on_gpu("gate_up", "silu_mul")(mlp_hopper.fused_call)
+on_gpu("gate_up")(mlp_hopper.gate_up_call)
+on_gpu("silu_mul")(mlp_hopper.silu_mul_call)
 
 
 def lm_head(a, w, cu_seqlens):

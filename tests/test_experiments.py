@@ -511,32 +511,27 @@ def test_attention_anchors_run_only_where_they_compute_the_same_function():
         assert r.returncode == 2 and "run on a GPU only" in r.stderr, r.stderr
 
 
-def test_fused_mlp_lays_gate_and_up_out_by_blocks_and_its_kernels_lower_for_an_h200():
-    """`experiments/fused_mlp.py` (roadmap K13): the weights [in, 2·out] hold, per block of
-    `half` columns, gate's then up's; the fused GEMM, the GEMM apart and the silu·mul kernel
-    lower for an H200 here (Mosaic GPU), so that a device call finds them runnable."""
+def test_fused_mlp_reads_its_tilings_and_its_kernels_lower_for_an_h200():
+    """`experiments/fused_mlp.py` (roadmap K13): `--tiles` configs become `mlp_hopper.gemm`'s
+    keywords; the fused GEMM, the GEMM apart and the silu·mul kernel lower for an H200 here
+    (Mosaic GPU), with weights as a checkpoint stores them, so that a device call finds them
+    runnable."""
     import functools
 
     import jax
     import jax.numpy as jnp
     import fused_mlp
 
-    wg, wu = jnp.arange(24.0).reshape(8, 3), 100 + jnp.arange(24.0).reshape(8, 3)
-    w = np.asarray(fused_mlp.interleave(wg, wu, 2))
-    assert w.shape == (3, 16)
-    np.testing.assert_array_equal(w[:, 0:2], np.asarray(wg).T[:, 0:2])
-    np.testing.assert_array_equal(w[:, 2:4], np.asarray(wu).T[:, 0:2])
-    np.testing.assert_array_equal(w[:, 14:16], np.asarray(wu).T[:, 6:8])
     S = jax.ShapeDtypeStruct
-    x, w = S((256, fused_mlp.D), jnp.bfloat16), S((fused_mlp.D, 2 * fused_mlp.F), jnp.bfloat16)
+    x, w = S((256, fused_mlp.D), jnp.bfloat16), S((fused_mlp.F, fused_mlp.D), jnp.bfloat16)
     name, wgs_n = fused_mlp.config("128,128,64,4,N,M,8")
     assert name == "128x128x64 s4 wg=N M8"
     assert wgs_n == dict(tile_m=128, tile_n=128, tile_k=64, steps=4, wg_n=True, minor=0, width=8)
     wgs_m = fused_mlp.config("64,256,64,3")[1]
     assert (wgs_m["wg_n"], wgs_m["minor"], wgs_m["width"]) == (False, 1, 1)
-    for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **wgs_n), (x, w)),
-                     (functools.partial(fused_mlp.gemm, fused=False, **wgs_n), (x, w)),
-                     (functools.partial(fused_mlp.gemm, fused=True, **wgs_m), (x, w)),
+    for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **wgs_n), (x, w, w)),
+                     (functools.partial(fused_mlp.gemm, fused=False, **wgs_n), (x, w, w)),
+                     (functools.partial(fused_mlp.gemm, fused=True, **wgs_m), (x, w, w)),
                      (fused_mlp.silu_mul_kernel, [S((256, fused_mlp.F), jnp.bfloat16)] * 2)]:
         assert "mosaic_gpu" in fused_mlp.for_h200(fn, *args)
 

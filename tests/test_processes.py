@@ -62,8 +62,8 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     if gpu:  # the same GEMM, the same algorithm, in the whole program and in the stages
         whole, stages = gemm_choices(tmp_path / "dump-w"), gemm_choices(tmp_path / "dump-cut")
         common = whole.keys() & stages.keys()
-        assert len(common) >= 4, (whole, stages, unread(tmp_path / "dump-w"))  # q/k/v, o, gate
-        # and up, down at least
+        # q/k/v, o and down at least (gate and up run in kernjax's own kernel, models/mlp_hopper)
+        assert len(common) >= 3, (whole, stages, unread(tmp_path / "dump-w"))
         assert {k: whole[k] for k in common} == {k: stages[k] for k in common}
 
 
