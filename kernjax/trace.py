@@ -172,7 +172,7 @@ def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
     short = lambda q: q.params["name"].rsplit(".", 1)[-1]  # noqa: E731
     rules = [(i + 1, _ON_GPU[k]) for k in [(short(e), *map(short, nxt))] if nxt and k in
              _ON_GPU and list(nxt[0].invars) == list(e.outvars) and _only_read_by(jp, e.outvars, i + 1)]
-    for last, fn in rules + [(i, _ON_GPU[(short(e),)])] * ((short(e),) in _ON_GPU):
+    for last, fn in rules + [(i, _ON_GPU[k]) for k in [(short(e),)] if k in _ON_GPU]:
         if jax.eval_shape(fn, *ins) is not None:
             def fenced(*args, fn=fn):
                 return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
