@@ -120,11 +120,10 @@ _ON_GPU: dict[tuple[str, ...], Callable] = {}
 
 
 def on_gpu(*names: str) -> Callable:
-    """Registers a GPU lowering for calls named `….name`, or for a pair: such a call then one of
-    the second name reading exactly its results, which nothing else reads, run as one. It takes
-    the (first) call's arguments, returns its (the pair's last) results or None where the shapes
-    do not suit it (then XLA's). The jaxpr and cut id stay; a pair must give the bits of its
-    calls' own lowerings run apart, as across a cut (tested with a chain cut there on a GPU)."""
+    """Registers a GPU lowering for calls named `….name`, or a pair: such a call, then one of the
+    second name reading exactly its results, which nothing else reads, run as one. It takes the
+    (first) call's arguments, returns its (the pair's last) results, or None for shapes it does
+    not suit (then XLA's). Jaxpr and cut id stay; a pair gives its calls' own lowerings' bits."""
     return lambda fn: _ON_GPU.setdefault(names, fn)
 
 
