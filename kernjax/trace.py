@@ -133,8 +133,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     On the CPU the jaxpr runs as it is, but for the state updates `_on_cpu` inlines. On a GPU
     every call runs as its body between two `optimization_barrier`s, inlined early: the barriers
     keep XLA:GPU from fusing across a call (what makes a cut exact there), and early inlining
-    lets it compile the body fully; a call (or pair of calls) with a lowering of its own
-    (`on_gpu`) runs that between the barriers instead.
+    lets it compile the body fully; or a lowering of its own (`on_gpu`) between them.
     """
     jp = closed.jaxpr
     gpu = platform in GPU_PLATFORMS
@@ -167,10 +166,12 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
 def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
     """(the last call it covers, its results) of an `on_gpu` lowering of call i (with i + 1 where
     a pair is registered and the jaxpr allows), or None: XLA's lowering."""
-    e, nxt = jp.eqns[i], jp.eqns[i + 1:i + 2]
+    e, nxt, rules = jp.eqns[i], jp.eqns[i + 1:i + 2], []
     short = lambda q: q.params["name"].rsplit(".", 1)[-1]  # noqa: E731
-    rules = [(i + 1, _ON_GPU[k]) for k in [(short(e), *map(short, nxt))] if nxt and k in
-             _ON_GPU and list(nxt[0].invars) == list(e.outvars) and _only_read_by(jp, e.outvars, i + 1)]
+    pair = (short(e), *map(short, nxt))
+    if nxt and pair in _ON_GPU and list(nxt[0].invars) == list(e.outvars):  # and none else reads
+        others = [*jp.outvars, *(v for j, q in enumerate(jp.eqns) if j != i + 1 for v in q.invars)]
+        rules += [(i + 1, _ON_GPU[pair])] * (not {id(v) for v in e.outvars} & set(map(id, others)))
     for last, fn in rules + [(i, _ON_GPU[k]) for k in [(short(e),)] if k in _ON_GPU]:
         if jax.eval_shape(fn, *ins) is not None:
             def fenced(*args, fn=fn):
@@ -180,13 +181,6 @@ def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
             vals = jax.jit(fenced, inline=jax.Inline.XLA_EARLY)(*ins)
             return last, list(vals) if isinstance(vals, (tuple, list)) else [vals]
     return None
-
-
-def _only_read_by(jp: jex.Jaxpr, vs: Sequence, k: int) -> bool:
-    """Whether values `vs` are read by equation `k` alone (not by another, not as outputs)."""
-    ids, others = {id(v) for v in vs}, [e.invars for j, e in enumerate(jp.eqns) if j != k]
-    return not any(isinstance(v, jex.DropVar) for v in vs) and not any(
-        ids & {id(v) for v in used} for used in [jp.outvars, *others])
 
 
 GRAPH_SEGMENTS = (1, 4, 16)

@@ -429,7 +429,6 @@ class Head:
                 self._answer(k, tokens, header.get("busy_us", []), header.get("rows", 0))
         except Exception as e:  # noqa: BLE001 (any error on a link ends the pipeline, at once)
             why = str(e) if isinstance(e, (Closed, ProtocolError)) else f"{type(e).__name__}: {e}"
-            time.sleep(0.5 if isinstance(e, Closed) and s else 0)  # an upstream's own closing first
             self.fail(why if why.startswith(f"stage {s}") else f"stage {s}: {why}")
 
     def _heartbeat(self) -> None:

@@ -15,6 +15,7 @@ to the head or a neighbour ends it too, so when one process goes the pipeline go
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import socket
@@ -58,8 +59,13 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
     art = runner.art
     s, last = art.index, art.index == art.stages - 1
 
+    told: list = []  # the head's link once joined: a dying stage tells it why (the first cause)
+
     def die(msg: str) -> None:
         print(f"error: stage {s}: {msg}", file=sys.stderr, flush=True)
+        for conn in told:
+            with contextlib.suppress(Closed, OSError):
+                conn.send("ERROR", {"message": msg})
         os._exit(1)
 
     def say(msg: str) -> None:
@@ -139,6 +145,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             in_edge.ready(60)
         except RuntimeError as e:
             die(str(e))
+    told.append(hconn)
     say(memory_line(runner.memory()))
     say(f"joined cut `{art.cut_id}` ({table['pages']} pages), transport {transport}"
         + (f" ({edge_slots} slots per edge)" if in_edge and transport != "nccl" else ""))
