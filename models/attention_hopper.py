@@ -497,12 +497,17 @@ def lower_for_h200(rows: int = 512, *, fn=None, **kw) -> jax.stages.Lowered:
     return on_h200(lambda *a: fn(*a, scale=128 ** -0.5, **kw), *args)
 
 
-def on_h200(fn, *args, num_cores=None) -> jax.stages.Lowered:
-    """`fn` of `args` (shapes) lowered for an H200 on any machine, under an abstract device."""
+def abstract_h200(num_cores=None):
+    """A context in which Pallas kernels lower for an H200 on any machine (an abstract device)."""
     dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=num_cores,
                                       platform="gpu")
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-    with jax.sharding.use_abstract_mesh(mesh):
+    return jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                    abstract_device=dev))
+
+
+def on_h200(fn, *args, num_cores=None) -> jax.stages.Lowered:
+    """`fn` of `args` (shapes) lowered for an H200 on any machine, under an abstract device."""
+    with abstract_h200(num_cores):
         return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
 
 

@@ -15,6 +15,7 @@ import pytest
 from kernjax.cut import cut, whole
 from kernjax.stage import export_stage
 from models import mlp_hopper, qwen3
+from models.attention_hopper import abstract_h200
 
 # qwen3-shaped, small: head_dim 128 (FlashAttention-3's), MLP 128 -> 256, 2 layers.
 CFG = dataclasses.replace(qwen3.CONFIGS["qwen3-tiny"], name="k13", hidden=128, intermediate=256,
@@ -23,9 +24,7 @@ CFG = dataclasses.replace(qwen3.CONFIGS["qwen3-tiny"], name="k13", hidden=128, i
 
 def kernels(stage) -> int:
     """Mosaic GPU kernels in `stage` exported for CUDA (as on an H200)."""
-    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
-                                                                  abstract_device=dev)):
+    with abstract_h200(132):
         text = export_stage(stage, "cuda").mlir_module()
     return len(re.findall(r"custom_call @mosaic_gpu_v2", text))
 
