@@ -467,8 +467,7 @@ prompt's length and its first token."""
             m = artifacts.read(sd / names[0]).manifest
             ref_dir = _stages_checkpoint(sd, names)
             tokens = _prompt(ref_dir, m["model"]["config"]["vocab"])
-            pipe = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=ref_dir,
-                             cache={})
+            pipe = _pipeline(sd, names, dtype=FLAGS.dtype, weights_dir=ref_dir, cache={})
         else:
             fam, cfg, ref, dtype = source()
             ref_dir = checkpoint_dir(ref)

@@ -111,8 +111,7 @@ def export_stage(stage: Stage, platform: str | None = None, *,
                         edge_in=stage.index - 1 if stage.index else None,
                         edge_out=None if last else stage.index)
         specs = [s.spec() for s in stage.inputs] + [jax.ShapeDtypeStruct((1,), "int32")]
-    return export.export(jax.jit(fn), platforms=[platform],
-                         disabled_checks=UNSTABLE)(*specs)
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=UNSTABLE)(*specs)
 
 
 def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,

@@ -418,8 +418,10 @@ class Head:
                 self.seen[s] = time.time()
                 if kind == "PONG":
                     continue
-                if kind == "ERROR":
-                    raise ProtocolError(f"stage {s} failed: {header.get('message')}")
+                if kind == "ERROR":  # the first cause: the stage, or the upstream stage it lost
+                    c = header.get("stage") if header.get("stage") in range(1, s) else s
+                    return self.fail(f"stage {c} failed" + (f" (stage {s} says)" * (c != s))
+                                     + f": {header.get('message')}")
                 if kind != "TOKENS" or s != self.stages - 1:
                     raise ProtocolError(f"stage {s} sent {kind}, which a stage never sends the head")
                 k, tokens = header.get("item"), arrays.get("next_token")

@@ -476,8 +476,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             auth = request.headers.get("Authorization", "")
             if counted and api_key and not hmac.compare_digest(auth.encode(),
                                                                f"Bearer {api_key}".encode()):
-                raise Bad("missing or wrong API key; send `Authorization: Bearer KEY`",
-                          status=401)
+                raise Bad("missing or wrong API key; send `Authorization: Bearer KEY`", status=401)
             return await handler(request)
         except Bad as e:
             return refuse(request, e.status, str(e), e.param)

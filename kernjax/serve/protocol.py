@@ -207,8 +207,7 @@ def parse_address(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def connect(address: str, name: str, timeout: float, *, limit: int = MAX_FRAME,
-            say=None) -> Conn:
+def connect(address: str, name: str, timeout: float, *, limit: int = MAX_FRAME, say=None) -> Conn:
     """Connects to `address`, retrying until `timeout` seconds have passed; `say(line)` once if
     the first try fails (the peer is not up yet)."""
     host, port = parse_address(address)

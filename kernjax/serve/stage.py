@@ -61,11 +61,11 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
 
     told: list = []  # the head's link once joined: a dying stage tells it why (the first cause)
 
-    def die(msg: str) -> None:
+    def die(msg: str, cause: int = s) -> None:  # cause: this stage, or s-1 whose link it lost
         print(f"error: stage {s}: {msg}", file=sys.stderr, flush=True)
         for conn in told:
             with contextlib.suppress(Closed, OSError):
-                conn.send("ERROR", {"message": msg})
+                conn.send("ERROR", {"message": msg, "stage": cause})
         os._exit(1)
 
     def say(msg: str) -> None:
@@ -99,8 +99,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                                      "pages": art.item.pages, "listen": server.getsockname()[1],
                                      "arrivals": _slots(art.arrivals),
                                      "departures": _slots(art.departures), "fills": fills,
-                                     "memory": runner.memory(), "checkpoint": checkpoint,
-                                     **via})
+                                     "memory": runner.memory(), "checkpoint": checkpoint, **via})
                 table, _ = hconn.expect("TABLE")
                 break
             except ConnectionError as e:
@@ -175,7 +174,10 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
             header, fills = items.get()
             k = header["item"]
             t0 = time.time()
-            arrivals, acts = prev.recv(k)
+            try:
+                arrivals, acts = prev.recv(k)
+            except (Closed, ProtocolError) as e:
+                die(str(e), s - 1)
             t1 = time.time()
             departures, outputs = runner.run(fills, arrivals)
             # np.asarray waits for the device, so `busy` is the work, not its launch.
@@ -208,7 +210,7 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
             prev.conn.recv()
             die(f"stage {s - 1} sent a frame on the link, which the shm transport never uses")
         except (Closed, ProtocolError) as e:
-            die(f"lost stage {s - 1}: {e}")
+            die(str(e), s - 1)
 
     threading.Thread(target=watch_prev, name="prev", daemon=True).start()
     done: queue.Queue = queue.Queue()
