@@ -1,6 +1,6 @@
 """What the call boundaries cost: one prefill chunk of the whole program, with every call a
-compilation boundary (what kernjax runs) against an unconstrained jit of the same forward (calls
-inlined, XLA free to fuse across them).
+compilation boundary (what kernjax runs) against an unconstrained jit of the same program (every
+call inlined bare, `trace.as_function(fences=False)`: XLA free to fuse across them).
 
 The chunk is the last one of a `context`-token prompt, so attention reads the full context.
 Weights are random on the device; states are donated and fed back, as the runtime does. Prints
@@ -26,7 +26,7 @@ from kernjax import models
 from kernjax.cut import whole
 from kernjax.item import Piece, item_shape, make_item
 from kernjax.stage import export_stage
-from kernjax.trace import trace, without_boundaries
+from kernjax.trace import as_function, trace
 
 
 def _time(fn, args, states_at, iters):
@@ -82,12 +82,9 @@ def main():
     bounded = jax.jit(exp.call, donate_argnums=donate)
     t_b, out_b = _time(bounded, [jnp.copy(x) for x in args], back, a.iters)
 
-    with without_boundaries():
-        fn, _, _ = fam.prefill(cfg, **kw)
-        names = [s.name for s in inputs]
-        free = jax.jit(lambda *xs: [fn(dict(zip(names, xs)))[n] for n, _ in outputs],
-                       donate_argnums=donate)
-        t_f, out_f = _time(free, [jnp.copy(x) for x in args], back, a.iters)
+    free = jax.jit(as_function(program.jaxpr, jax.default_backend(), fences=False),
+                   donate_argnums=donate)
+    t_f, out_f = _time(free, [jnp.copy(x) for x in args], back, a.iters)
 
     same = np.asarray(out_b[logits]).tobytes() == np.asarray(out_f[logits]).tobytes()
     print(f"{a.model} {a.dtype} rows {a.rows} context {a.context} on {jax.devices()[0].device_kind}"

@@ -15,7 +15,8 @@ median is the time to first token.
   kernjax-2stages         the same program `cut.cut` at a layer boundary (`--at`, default 18, or
                           the middle layer for smaller models), the stages run back to back per
                           chunk, stage 0's departures are stage 1's arrivals
-  kernjax-unconstrained   the same forward traced inside `trace.without_boundaries()`, jitted
+  kernjax-unconstrained   the same program's jaxpr as `trace.as_function(fences=False)`: every
+                          call inlined bare (kernjax's own kernels too), no barriers, jitted
   jax-plain               a plain JAX Qwen3 forward (written below), attention through
                           `jax.nn.dot_product_attention(is_causal=True, implementation='cudnn')`;
                           one pass only (chunk >= S), since the public is_causal mask is top-left
@@ -70,7 +71,6 @@ import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-import types  # noqa: E402
 import warnings  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -96,7 +96,7 @@ from kernjax.cli import parse_at  # noqa: E402
 from kernjax.cut import cut, whole  # noqa: E402
 from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
 from kernjax.stage import export_stage  # noqa: E402
-from kernjax.trace import without_boundaries  # noqa: E402
+from kernjax.trace import as_function  # noqa: E402
 from kernjax import xla  # noqa: E402
 from kernjax.tokens import Published, Token, TokenRing, ring as token_ring  # noqa: E402
 
@@ -344,22 +344,14 @@ class Kernjax(JaxSystem):
 
 class Unconstrained(JaxSystem):
     def build(self, s, rows, ctx):
-        t = time.perf_counter()
-        with without_boundaries():
-            fn, inputs, outputs = self.fam.prefill(self.cfg, dtype=self.args.dtype, rows=rows,
-                                                   seqs=1, context=ctx)
-            names = [sl.name for sl in inputs]
-            t_trace = time.perf_counter() - t
-
-            def flat(*xs):
-                out = fn(dict(zip(names, xs)))
-                return [out[n] for n, _ in outputs]
-
-            leaf = [n for n, _ in outputs].index("next_token")
-            compiled, times = _compile(flat, [sl.spec() for sl in inputs], rows, _donate(inputs),
-                                       (leaf, 1))
-        shape = item_shape(types.SimpleNamespace(inputs=inputs, rows=rows, slots=0), self.fam.PAGE)
-        return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))], "shape": shape,
+        program, t_trace = self._program(rows, ctx)
+        inputs, outputs = program.inputs, [(o.name, o.role) for o in program.outputs]
+        leaf = [n for n, _ in outputs].index("next_token")
+        fn = as_function(program.jaxpr, jax.default_backend(), fences=False)
+        compiled, times = _compile(fn, [sl.spec() for sl in inputs], rows, _donate(inputs),
+                                   (leaf, 1))
+        return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))],
+                "shape": item_shape(program, self.fam.PAGE),
                 "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
                 "info": {"trace_s": t_trace, "parts": [{"export_s": 0.0, **times}]}}
 
@@ -795,8 +787,10 @@ class Results:
                   f"- kernjax-2stages: `cut.cut(program, parse_at('{d['cut_at']}'))` (calls "
                   f"{d.get('cut_points', '?')}), each stage exported and jitted with its states "
                   "donated, run back to back in this process per chunk.",
-                  "- kernjax-unconstrained: the same `qwen3.prefill` forward traced inside "
-                  "`trace.without_boundaries()` and jitted directly (XLA may fuse across calls).",
+                  "- kernjax-unconstrained: the same program's jaxpr as `trace.as_function(jaxpr, "
+                  "platform, fences=False)`, jitted directly: every call's body inlined bare, "
+                  "kernjax's own kernels (`on_gpu`) in place, no barriers and no graph cuts (XLA "
+                  "may fuse across calls).",
                   "- jax-plain: a plain JAX Qwen3 (no paging, dense per-layer KV `[S, KV, D]` "
                   "returned as the cache), attention `jax.nn.dot_product_attention(is_causal=True, "
                   f"implementation={d.get('plain_attention', 'cudnn')!r})`. Only one-pass rows: the "

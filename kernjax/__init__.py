@@ -14,18 +14,8 @@ from kernjax import xla as _xla
 
 _xla.configure()
 
-_PUBLIC = {
-    "CutError": "kernjax.cut",
-    "Stage": "kernjax.cut",
-    "cut": "kernjax.cut",
-    "describe": "kernjax.cut",
-    "whole": "kernjax.cut",
-    "Program": "kernjax.trace",
-    "Slot": "kernjax.trace",
-    "TraceError": "kernjax.trace",
-    "call": "kernjax.trace",
-    "trace": "kernjax.trace",
-}
+_PUBLIC = {**dict.fromkeys(("CutError", "Stage", "cut", "describe", "whole"), "kernjax.cut"),
+           **dict.fromkeys(("Program", "Slot", "TraceError", "call", "trace"), "kernjax.trace")}
 
 
 def __getattr__(name):

@@ -25,7 +25,6 @@ Tracing needs shapes only (`jax.ShapeDtypeStruct`), never weights.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -42,23 +41,6 @@ class TraceError(ValueError):
     """A forward that cannot be a program: the message names the equation and the fix."""
 
 
-_BOUNDARIES = [True]
-
-
-@contextlib.contextmanager
-def without_boundaries():
-    """For measurement only: inside, `call` returns plain functions, so XLA may fuse across calls.
-
-    A forward traced this way is the unconstrained whole program the boundaries are measured
-    against (experiments/); `trace` refuses it, since its equations are no longer calls.
-    """
-    _BOUNDARIES.append(False)
-    try:
-        yield
-    finally:
-        _BOUNDARIES.pop()
-
-
 def call(name: str, fn: Callable, *, state: int = 0) -> Callable:
     """Returns `fn` as the call `name`: one top-level jaxpr equation, a compilation boundary.
 
@@ -73,8 +55,6 @@ def call(name: str, fn: Callable, *, state: int = 0) -> Callable:
         return fn(*args)
 
     named.__name__ = named.__qualname__ = name
-    if not _BOUNDARIES[-1]:
-        return named
     return jax.jit(named, inline=jax.Inline.XLA_LATE, donate_argnums=tuple(range(state)))
 
 
@@ -123,22 +103,28 @@ def on_gpu(*names: str) -> Callable:
     """Registers a GPU lowering for calls named `….name`, or a pair: such a call, then one of the
     second name reading exactly its results, which nothing else reads, run as one. It takes the
     (first) call's arguments, returns its (the pair's last) results, or None for shapes it does
-    not suit (then XLA's). Jaxpr and cut id stay; a pair gives its calls' own lowerings' bits."""
-    return lambda fn: _ON_GPU.setdefault(names, fn)
+    not suit (then XLA's). Jaxpr and cut id stay; a pair gives its calls' own lowerings' bits.
+    One jit for all its calls, inlined by JAX: traced and lowered once per shapes, not once per
+    layer (Mosaic GPU's lowering of 36 kernels took 9 s), the same ops at each call."""
+    return lambda fn: _ON_GPU.setdefault(names, jax.jit(fn, inline=jax.Inline.JAX_LATE))
 
 
-def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
+def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) -> Callable:
     """A program's (or a stage's) jaxpr as a function to jit and export for `platform`.
 
     On the CPU the jaxpr runs as it is, but for the state updates `_on_cpu` inlines. On a GPU
     every call runs as its body between two `optimization_barrier`s, inlined early: the barriers
     keep XLA:GPU from fusing across a call (what makes a cut exact there), and early inlining
     lets it compile the body fully; or a lowering of its own (`on_gpu`) between them.
+    `fences=False`, for measurement only (experiments/): every body inlined bare, the same own
+    lowerings, no barrier and no graph cut, XLA free to fuse across calls: the unconstrained
+    program the boundaries are measured against. No stage runs so.
     """
     jp = closed.jaxpr
     gpu = platform in GPU_PLATFORMS
-    fenced = [_fenced(e) if gpu else _on_cpu(e) for e in jp.eqns]
-    cuts = graph_cuts(len(jp.eqns)) if gpu else set()
+    fenced = [(_fenced(e) if gpu else _on_cpu(e)) if fences else jex.jaxpr_as_fun(e.params["jaxpr"])
+              for e in jp.eqns]
+    cuts = graph_cuts(len(jp.eqns)) if gpu and fences else set()
     if cuts:
         from kernjax import ffi
 
@@ -148,7 +134,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
         i = 0
         while i < len(jp.eqns):
             ins = [read(v) for v in jp.eqns[i].invars]
-            last, vals = (_own_lowering(jp, i, ins) if gpu else None) or (i, None)
+            last, vals = (_own_lowering(jp, i, ins, fences) if gpu else None) or (i, None)
             if vals is None:
                 vals = fenced[i](*ins)
             outs = [(v, x) for v, x in zip(jp.eqns[last].outvars, vals)
@@ -163,7 +149,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str) -> Callable:
     return run
 
 
-def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
+def _own_lowering(jp: jex.Jaxpr, i: int, ins: list, fences: bool) -> tuple[int, list] | None:
     """(the last call it covers, its results) of an `on_gpu` lowering of call i (with i + 1 where
     a pair is registered and the jaxpr allows), or None: XLA's lowering."""
     e, nxt, rules = jp.eqns[i], jp.eqns[i + 1:i + 2], []
@@ -178,7 +164,7 @@ def _own_lowering(jp: jex.Jaxpr, i: int, ins: list) -> tuple[int, list] | None:
                 return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
 
             fenced.__name__ = fenced.__qualname__ = jp.eqns[last].params["name"]
-            vals = jax.jit(fenced, inline=jax.Inline.XLA_EARLY)(*ins)
+            vals = jax.jit(fenced, inline=jax.Inline.XLA_EARLY)(*ins) if fences else fn(*ins)
             return last, list(vals) if isinstance(vals, (tuple, list)) else [vals]
     return None
 
