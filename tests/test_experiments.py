@@ -563,3 +563,36 @@ def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_u
     shapes = [S((8192, add_norm.D), jnp.bfloat16)] * 2 + [S((add_norm.D,), jnp.bfloat16)]
     lowered = on_h200(functools.partial(add_norm.add_norm, block_rows=8, warps=8), *shapes)
     assert "__gpu$xla.gpu.triton" in lowered.as_text(debug_info=False)
+
+
+def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
+    """`experiments/gpu_program.py`: the same program hashes the same in two exports; a sharding
+    constraint (an identity on one device), locations and SSA numbering do not count; an op does."""
+    import gpu_program
+
+    a = '''func.func @f(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+    %0 = stablehlo.add %arg0, %arg0 : tensor<2xf32> loc(#loc3)
+    %1 = sdy.sharding_constraint %0 <@mesh, [{}]> : tensor<2xf32>
+    %2 = stablehlo.multiply %1, %1 : tensor<2xf32>
+    return %2 : tensor<2xf32>
+  }'''
+    b = '''func.func @f(%arg0: tensor<2xf32>) -> tensor<2xf32> {
+    %7 = stablehlo.add %arg0, %arg0 : tensor<2xf32>
+    %9 = stablehlo.multiply %7, %7 : tensor<2xf32> loc("x")
+    return %9 : tensor<2xf32>
+  }'''
+    assert gpu_program.canonical(a) == gpu_program.canonical(b)
+    assert gpu_program.canonical(a) != gpu_program.canonical(b.replace("multiply", "subtract"))
+
+    def lines():
+        r = subprocess.run([sys.executable, str(REPO / "experiments" / "gpu_program.py"),
+                            "--rows", "64", "--at", "18"], capture_output=True, text=True,
+                           timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert r.returncode == 0, r.stderr[-3000:]
+        return [line.split("  ")[0] for line in r.stdout.splitlines()]
+
+    first = lines()
+    assert [x.split(":")[0] for x in first] == [f"qwen3-4b rows 64 {n}"
+                                                for n in ("whole", "stage0", "stage1")]
+    assert len({x.split(": ")[1] for x in first}) == 3
+    assert lines() == first
