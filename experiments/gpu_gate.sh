@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU gates and benchmarks in one device call. Steps, in the order given:
 #
+#   gates      issue 6's gates in one call: `chain` beside `tests` in three groups (all the GPU
+#              tests), each under $OUT/chains and $OUT/tests; ~550 s on a fresh machine
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #              or $TEST_GROUPS, groups of files split by ';', each its own pytest, all at once
 #              (the command below: every GPU test in 202-221 s, `7af7c58`)
@@ -232,6 +234,21 @@ for step in "$@"; do
       grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/tests${g/#0/}.log" | tail -8 | say
       [ $rc = 124 ] && echo "tests (group $g): stopped after ${TEST_SECONDS:-900} s (the failures so far are in its log)" | say
     done ;;
+  gates)
+    # issue 6's gates in one call: the chains ($ATS at $CHUNKS) beside the GPU tests in three
+    # groups ($TEST_GROUPS, default all the GPU tests; TEST_SECONDS, default 420). ~550 s on a
+    # fresh machine, which first writes the random qwen3-4b checkpoint (~75 s): give the call 600.
+    log "gates: the chains beside the GPU tests"
+    OUT=$OUT/chains SKIP_BUILD=1 bash experiments/gpu_gate.sh chain > /dev/null 2>&1 &
+    OUT=$OUT/tests SKIP_BUILD=1 TEST_SECONDS=${TEST_SECONDS:-420} TEST_GROUPS="${TEST_GROUPS:-\
+tests/test_serve.py tests/test_serve_link.py tests/test_http.py;\
+tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;\
+tests/test_mlp_hopper.py tests/test_processes.py tests/test_parity.py tests/test_cut.py tests/test_ffi.py \
+tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
+      bash experiments/gpu_gate.sh tests > /dev/null 2>&1
+    wait
+    grep -hE "^cut |PASS|FAIL|differ|exited|passed|failed|stopped|Error" "$OUT/chains/gate.log" \
+      "$OUT/tests/gate.log" | say ;;
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     v=${VARIANT:-hopper-mbarrier}
