@@ -419,7 +419,8 @@ class Head:
                 if kind == "PONG":
                     continue
                 if kind == "ERROR":  # the first cause: the stage, or the upstream stage it lost
-                    c = header.get("stage") if header.get("stage") in range(1, s) else s
+                    c = header.get("stage")
+                    c = c if type(c) is int and 0 < c < s else s
                     return self.fail(f"stage {c} failed" + (f" (stage {s} says)" * (c != s))
                                      + f": {header.get('message')}")
                 if kind != "TOKENS" or s != self.stages - 1:
