@@ -20,6 +20,7 @@ import time
 import kernjax  # noqa: F401  (sets the deterministic XLA flags before jax starts)
 import jax
 import jax.numpy as jnp
+from jax import export
 import numpy as np
 
 from kernjax import models
@@ -82,7 +83,7 @@ def main():
     bounded = jax.jit(exp.call, donate_argnums=donate)
     t_b, out_b = _time(bounded, [jnp.copy(x) for x in args], back, a.iters)
 
-    free = jax.jit(as_function(program.jaxpr, jax.default_backend(), fences=False),
+    free = jax.jit(as_function(program.jaxpr, export.default_export_platform(), fences=False),
                    donate_argnums=donate)
     t_f, out_f = _time(free, [jnp.copy(x) for x in args], back, a.iters)
 

@@ -89,6 +89,7 @@ except ImportError:  # kernjax.models is models/ (setup.py maps it when installe
     sys.modules["kernjax.models"] = models
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from jax import export  # noqa: E402
 import numpy as np  # noqa: E402
 
 import clocks  # noqa: E402  (experiments/clocks.py, this script's directory)
@@ -347,7 +348,7 @@ class Unconstrained(JaxSystem):
         program, t_trace = self._program(rows, ctx)
         inputs, outputs = program.inputs, [(o.name, o.role) for o in program.outputs]
         leaf = [n for n, _ in outputs].index("next_token")
-        fn = as_function(program.jaxpr, jax.default_backend(), fences=False)
+        fn = as_function(program.jaxpr, export.default_export_platform(), fences=False)  # cuda
         compiled, times = _compile(fn, [sl.spec() for sl in inputs], rows, _donate(inputs),
                                    (leaf, 1))
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))],

@@ -120,6 +120,8 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
     lowerings, no barrier and no graph cut, XLA free to fuse across calls: the unconstrained
     program the boundaries are measured against. No stage runs so.
     """
+    if platform not in ("cpu", *GPU_PLATFORMS):  # `jax.default_backend()`'s "gpu" is not one
+        raise ValueError(f"platform {platform!r}: give cpu, cuda or rocm (jax.export's names)")
     jp = closed.jaxpr
     gpu = platform in GPU_PLATFORMS
     fenced = [(_fenced(e) if gpu else _on_cpu(e)) if fences else jex.jaxpr_as_fun(e.params["jaxpr"])

@@ -86,6 +86,9 @@ def test_the_unconstrained_program_keeps_the_kernels_and_drops_the_barriers():
     fenced, free = (len(re.findall(r"custom_call @mosaic_gpu_v2", t)) for t in texts)
     assert fenced == free == 2
     assert "optimization_barrier" in texts[0] and "optimization_barrier" not in texts[1]
+    # `jax.default_backend()` says "gpu", which would have run the CPU's lowering on a GPU
+    with pytest.raises(ValueError, match="platform 'gpu': give cpu, cuda or rocm"):
+        trace.as_function(program.jaxpr, "gpu", fences=False)
 
 
 @pytest.mark.parametrize("rows,f,k,dtype,ok", [
