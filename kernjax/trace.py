@@ -162,11 +162,7 @@ def _own_lowering(jp: jex.Jaxpr, i: int, ins: list, fences: bool) -> tuple[int, 
         rules += [(i + 1, _ON_GPU[pair])] * (not {id(v) for v in e.outvars} & set(map(id, others)))
     for last, fn in rules + [(i, _ON_GPU[k]) for k in [(short(e),)] if k in _ON_GPU]:
         if jax.eval_shape(fn, *ins) is not None:
-            def fenced(*args, fn=fn):
-                return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(args)))
-
-            fenced.__name__ = fenced.__qualname__ = jp.eqns[last].params["name"]
-            vals = jax.jit(fenced, inline=jax.Inline.XLA_EARLY)(*ins) if fences else fn(*ins)
+            vals = _fenced(jp.eqns[last], fn)(*ins) if fences else fn(*ins)
             return last, list(vals) if isinstance(vals, (tuple, list)) else [vals]
     return None
 
@@ -204,8 +200,10 @@ def _on_cpu(eqn: jex.JaxprEqn) -> Callable:
     return lambda *args: eqn.primitive.bind(*args, **params)
 
 
-def _fenced(eqn: jex.JaxprEqn) -> Callable:
-    body = jex.jaxpr_as_fun(eqn.params["jaxpr"])
+def _fenced(eqn: jex.JaxprEqn, body: Callable | None = None) -> Callable:
+    """Call `eqn` on a GPU: its body (or `body`, a lowering of its own) between two barriers,
+    inlined early, under the call's name."""
+    body = body or jex.jaxpr_as_fun(eqn.params["jaxpr"])
 
     def fenced(*args):
         return jax.lax.optimization_barrier(body(*jax.lax.optimization_barrier(args)))
