@@ -38,6 +38,8 @@ gets a share of the time left in proportion to its rows and programs (`share_wei
 row predicted not to fit is skipped (said in the README). The timed prefills run back to back;
 `--idle S` lets the GPU idle S seconds before each (one prompt's time to first token on a quiet
 server: a GPU at its power limit runs a burst faster). Each row records the SM clock it ran at.
+The README gives each system's time over kernjax's in the same run, and issue 6's goals checked
+on them: read a change there, against an unchanged system (machines differ by 2-3 %).
 
     python experiments/prefill.py --max_seconds 480                        # H200, qwen3-4b
     python experiments/prefill.py --model qwen3-tiny --prompts 64,128 --chunks 32,whole --iters 1
@@ -106,6 +108,29 @@ SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "
 # later ones), torch last so JAX never has to give memory back to it.
 RUN_ORDER = ("jax-plain", "kernjax-unconstrained", "kernjax", "kernjax-2stages", "transformers")
 PEAK = 989e12  # H200 dense BF16 FLOP/s
+MFU_GOALS = {"whole": 0.65, "2048": 0.55, "512": 0.45}  # issue 6, at 8k
+
+
+def goal_checks(ms: dict, keys: list) -> list:
+    """Issue 6's goals on one run's rows (`ms[(system, prompt, chunk)]`, chunk as text):
+    [(what, met)] for those its rows can answer."""
+    out = []
+    for c, goal in MFU_GOALS.items():
+        if r := ms.get(("kernjax", 8192, c)):
+            out.append((f"8k, chunk {c}: {100 * r['mfu']:.2f} % MFU, goal {100 * goal:.0f} %",
+                        r["mfu"] >= goal))
+    one = [k for k in keys if k[1] == "whole"]
+    for a, b, where, lo, hi in (("transformers", "kernjax", keys, 1.0, None),
+                                ("jax-plain", "kernjax", one, 1.0, None),
+                                ("kernjax", "kernjax-unconstrained", keys, 0.97, 1.03)):
+        r = [ms[(a, p, c)]["ms"] / ms[(b, p, c)]["ms"] for p, c in where
+             if (a, p, c) in ms and (b, p, c) in ms]
+        if r:
+            bound = f"within {lo:g}-{hi:g}" if hi else f">= {lo:g}"
+            out.append((f"{a} / {b} (time) {bound} on {len(r)} rows"
+                        + " in one chunk" * (where is one) + f": {min(r):.3f}-{max(r):.3f}",
+                        min(r) >= lo and (hi is None or max(r) <= hi)))
+    return out
 
 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
@@ -684,6 +709,29 @@ class Results:
                          + f" {x.get('iters', '-')} |")
         return "\n".join(lines)
 
+    def ratios(self) -> str:
+        """kernjax against every other system measured in this run, row by row: a change is read
+        from these (an unchanged system in the same call), not from ms against another day's
+        table (machines differ by 2-3 %, docs/lessons.md); then issue 6's goals, checked."""
+        ms = {(r["system"], r["prompt"], str(r["chunk"])): r for r in self.data["rows"]}
+        keys = sorted({(p, c) for s, p, c in ms if s == "kernjax"},
+                      key=lambda k: (k[0], k[1] == "whole", k[1].isdigit() and int(k[1])))
+        others = [s for s in SYSTEMS[1:] if any(k[0] == s for k in ms)]
+        if not keys or not others:
+            return ""
+        lines = ["| prompt | chunk | kernjax ms | MFU % | " + " | ".join(
+                     f"{s} / kernjax" for s in others) + " |",
+                 "|---:|---:|---:|---:|" + "---:|" * len(others)]
+        for p, c in keys:
+            k = ms[("kernjax", p, c)]
+            lines.append(f"| {p} | {c} | {k['ms']:.2f} | {100 * k['mfu']:.2f} | " + " | ".join(
+                f"{ms[(s, p, c)]['ms'] / k['ms']:.3f}" if (s, p, c) in ms else "-"
+                for s in others) + " |")
+        lines += ["", "Issue 6's goals on this run (a ratio above 1: kernjax the faster):", ""]
+        for text, ok in goal_checks(ms, keys):
+            lines.append(f"- {text}: **{'met' if ok else 'not met'}**")
+        return "\n".join(lines)
+
     def compile_table(self, key: str = "compile") -> str:
         lines = ["| system | prompt | rows | context | trace s | export s | lower s | XLA compile s "
                  "| persistent cache | total s | first prefill s |",
@@ -733,6 +781,9 @@ class Results:
                  "power reading lags, so a short row reads low). The peak is rated at 1830 MHz; "
                  "a GPU at its power limit runs lower "
                  "(`experiments/results/2026-12-01-h200-clocks/`).", "", self.table(), ""]
+        if ratios := self.ratios():
+            lines += ["Each system's time over kernjax's, same prompt and chunk, this run:", "",
+                      ratios, ""]
         if d["skipped"]:
             lines += ["Rows not measured:", ""]
             lines += [f"- {x['system']} S={x['prompt']} chunk={x['chunk']}: {x['why']}"

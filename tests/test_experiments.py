@@ -62,6 +62,13 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     # a short row is timed more often than --iters 1 asks (--min_row_s 0.5, at most 25 runs)
     assert all(1 < d["iters"] <= 25 for d in data["details"]), [d["iters"] for d in data["details"]]
     assert "| runs |" in (out / "README.md").read_text()
+    # each system over kernjax in the same run: 2 stages and unconstrained at both chunks,
+    # jax-plain in one chunk only
+    readme = (out / "README.md").read_text()
+    row = next(line for line in readme.splitlines() if line.startswith("| 64 | whole |"))
+    assert row.count("|") == 8 and " - " not in row, row  # 4 columns + 3 systems
+    assert next(line for line in readme.splitlines() if line.startswith("| 64 | 32 |")).endswith(
+        " - |")
 
     prof = json.loads((out / "profile-kernjax-64-32.json").read_text())
     calls = {c["call"]: c for c in prof["calls"]}
@@ -81,6 +88,26 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     # the token published by the program itself (kernjax.tokens), after all its work
     assert data["publish"] is True
     assert prof["last_kernels"][-1].startswith("kj_mark"), prof["last_kernels"]
+
+
+def test_issue_6s_goals_are_read_off_one_runs_rows():
+    import prefill
+
+    ms = {("kernjax", 8192, "whole"): {"ms": 100.0, "mfu": 0.66},
+          ("kernjax", 8192, "512"): {"ms": 200.0, "mfu": 0.44},
+          ("kernjax-unconstrained", 8192, "whole"): {"ms": 98.0, "mfu": 0.67},
+          ("kernjax-unconstrained", 8192, "512"): {"ms": 190.0, "mfu": 0.46},
+          ("jax-plain", 8192, "whole"): {"ms": 110.0, "mfu": 0.6},
+          ("transformers", 8192, "512"): {"ms": 199.0, "mfu": 0.44}}
+    keys = [(8192, "512"), (8192, "whole")]
+    got = dict(prefill.goal_checks(ms, keys))
+    assert got == {
+        "8k, chunk whole: 66.00 % MFU, goal 65 %": True,
+        "8k, chunk 512: 44.00 % MFU, goal 45 %": False,  # no 2048 row: no claim about it
+        "transformers / kernjax (time) >= 1 on 1 rows: 0.995-0.995": False,
+        "jax-plain / kernjax (time) >= 1 on 1 rows in one chunk: 1.100-1.100": True,
+        "kernjax / kernjax-unconstrained (time) within 0.97-1.03 on 2 rows: 1.020-1.053": False,
+    }, got
 
 
 def test_prefill_benchmark_without_publishing_the_token(tmp_path):
