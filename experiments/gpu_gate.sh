@@ -2,7 +2,8 @@
 # The GPU gates and benchmarks in one device call. Steps, in the order given:
 #
 #   gates      issue 6's gates in one call: `chain` beside `tests` in three groups (all the GPU
-#              tests), each under $OUT/chains and $OUT/tests; ~550 s on a fresh machine
+#              tests), each under $OUT/chains and $OUT/tests; 379 s on a fresh machine
+#              (`48136a2`, 2026-12-03; the test groups 183, 115 and 328 s beside the chains)
 #   tests      the GPU tests ($TESTS, default: attention kernel, cut, parity, FFI, whole vs stages in separate processes)
 #              or $TEST_GROUPS, groups of files split by ';', each its own pytest, all at once
 #              (the command below: every GPU test in 202-221 s, `7af7c58`)
@@ -236,7 +237,7 @@ for step in "$@"; do
     done ;;
   gates)
     # issue 6's gates in one call: the chains ($ATS at $CHUNKS) beside the GPU tests in three
-    # groups ($TEST_GROUPS, default all the GPU tests; TEST_SECONDS, default 420). ~550 s on a
+    # groups ($TEST_GROUPS, default all the GPU tests; TEST_SECONDS, default 420). 379 s on a
     # fresh machine, which first writes the random qwen3-4b checkpoint (~75 s): give the call 600.
     log "gates: the chains beside the GPU tests"
     OUT=$OUT/chains SKIP_BUILD=1 bash experiments/gpu_gate.sh chain > /dev/null 2>&1 &
