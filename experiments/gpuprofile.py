@@ -95,6 +95,35 @@ def host_events(trace_dir: str, top: int = 12) -> list[dict]:
             for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
+def host_inside(trace_dir: str, outer: str = "ExecuteThunks", top: int = 12) -> dict:
+    """What the host does inside each `outer` event (XLA:GPU's issue of a program's thunks): the
+    events nested in it on the same thread, by name (digits dropped, so `fusion_12` and
+    `fusion_7` are one), with their count and total ms, and the outer events' own count and
+    total. Where the issue of one program takes longer per kernel than another's, this says
+    which step does."""
+    data = _xplane(trace_dir)
+    outs, tot = [0, 0], collections.defaultdict(lambda: [0, 0])
+    for plane in data.planes:
+        if plane.name.startswith("/device"):
+            continue
+        for line in plane.lines:
+            evs = sorted(line.events, key=lambda e: e.start_ns)
+            spans = [(e.start_ns, e.start_ns + e.duration_ns) for e in evs if outer in e.name]
+            if not spans:
+                continue
+            outs[0] += len(spans)
+            outs[1] += sum(b - a for a, b in spans)
+            for e in evs:
+                if outer in e.name or not any(a <= e.start_ns < b for a, b in spans):
+                    continue
+                t = tot[re.sub(r"\d+", "#", e.name)[:70]]
+                t[0] += e.duration_ns
+                t[1] += 1
+    return {"outer": outer, "n": outs[0], "ms": outs[1] / 1e6,
+            "inside": [{"event": k, "ms": v[0] / 1e6, "n": v[1]}
+                       for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]}
+
+
 _HOSTCALL = re.compile(r"^cu[A-Z]|^cuda|Execute|BlockHostUntil|Await|ToLiteral|CopyToHost")
 
 
@@ -366,4 +395,7 @@ def table(p: dict) -> str:
                   for e in h["first"] + [{"ms": 0, "dur_ms": 0, "thread": "...", "event": ""}]
                   + h["last"]]
         lines += [f"  busiest: {b['ms']:.3f} ms x{b['n']} {b['event']}" for b in h["busiest"]]
+    if (h := p.get("host_inside")) and "inside" in h:
+        lines.append(f"inside {h['outer']} ({h['n']} of them, {h['ms']:.3f} ms), by event:")
+        lines += [f"  {e['ms']:9.3f} ms x{e['n']:<5d} {e['event']}" for e in h["inside"]]
     return "\n".join(lines)

@@ -1104,6 +1104,10 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
             prof["host"] = kprofile.host_timeline(tmp, kprofile.kernels(tmp))
         except Exception as e:  # noqa: BLE001
             prof["host"] = {"error": one_line(e)}
+        try:  # the host's issue of each program, step by step
+            prof["host_inside"] = kprofile.host_inside(tmp)
+        except Exception as e:  # noqa: BLE001
+            prof["host_inside"] = {"error": one_line(e)}
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
         say(f"{tag}: profile failed: {one_line(e)}")
         return None

@@ -187,6 +187,29 @@ def test_profile_reports_the_longest_idle_gaps_with_their_neighbours():
             for g in p["worst_gaps"]] == [(0.3, 0.10013, "c", "d"), (0.1, 0.0001, "a", "b")]
 
 
+def test_profile_breaks_the_hosts_issue_into_the_events_inside_it(tmp_path):
+    """gpuprofile.host_inside on a real trace (the CPU's): the events nested in each `outer` event
+    on its thread, by name with digits dropped, counted over the traced runs; nothing for an
+    outer that never ran."""
+    import jax
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda x: jnp.tanh(x @ x) + 1)
+    x = jnp.ones((64, 64))
+    f(x).block_until_ready()
+    with jax.profiler.trace(str(tmp_path)):
+        for _ in range(3):
+            f(x).block_until_ready()
+    got = gpuprofile.host_inside(str(tmp_path), outer="Execute")
+    assert got["n"] >= 3 and got["ms"] > 0, got
+    assert got["inside"] and all(e["n"] >= 1 and e["ms"] >= 0 for e in got["inside"]), got
+    assert not any("Execute" in e["event"] or any(c.isdigit() for c in e["event"])
+                   for e in got["inside"]), got
+    assert any(e["n"] % 3 == 0 for e in got["inside"]), got  # once per run
+    none = gpuprofile.host_inside(str(tmp_path), outer="no event has this name")
+    assert (none["n"], none["inside"]) == (0, [])
+
+
 def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     """experiments/serve_summary.py: ttft_ratio, throughput_ratio, packed_gain and slot_gain
     from load.py's results, a transfer's time and its share of the pipeline's item period, and a
