@@ -95,14 +95,17 @@ def host_events(trace_dir: str, top: int = 12) -> list[dict]:
             for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]
 
 
-def host_inside(trace_dir: str, outer: str = "ExecuteThunks", top: int = 12) -> dict:
+def host_inside(trace_dir: str, outer: str = "ExecuteThunks", top: int = 12,
+                first: int = 6) -> dict:
     """What the host does inside each `outer` event (XLA:GPU's issue of a program's thunks): the
     events nested in it on the same thread, by name (digits dropped, so `fusion_12` and
     `fusion_7` are one), with their count and total ms, and the outer events' own count and
-    total. Where the issue of one program takes longer per kernel than another's, this says
-    which step does."""
+    total; and the `first` events nested in each outer event, ms from its start (what the host
+    does before a program's first launch). Where the issue of one program takes longer per
+    kernel than another's, this says which step does."""
     data = _xplane(trace_dir)
     outs, tot = [0, 0], collections.defaultdict(lambda: [0, 0])
+    starts = []  # each outer event's first nested events: (outer's start, [(name, start, ns)])
     for plane in data.planes:
         if plane.name.startswith("/device"):
             continue
@@ -113,13 +116,19 @@ def host_inside(trace_dir: str, outer: str = "ExecuteThunks", top: int = 12) -> 
                 continue
             outs[0] += len(spans)
             outs[1] += sum(b - a for a, b in spans)
+            starts += [(a, [(e.name, e.start_ns, e.duration_ns) for e in evs
+                            if a < e.start_ns < b and outer not in e.name][:first])
+                       for a, b in spans]
             for e in evs:
                 if outer in e.name or not any(a <= e.start_ns < b for a, b in spans):
                     continue
                 t = tot[re.sub(r"\d+", "#", e.name)[:70]]
                 t[0] += e.duration_ns
                 t[1] += 1
+    starts.sort()
     return {"outer": outer, "n": outs[0], "ms": outs[1] / 1e6,
+            "first": [[{"event": n[:70], "at_ms": round((t - a) / 1e6, 3),
+                        "dur_ms": round(d / 1e6, 3)} for n, t, d in evs] for a, evs in starts],
             "inside": [{"event": k, "ms": v[0] / 1e6, "n": v[1]}
                        for k, v in sorted(tot.items(), key=lambda kv: -kv[1][0])[:top]]}
 
@@ -398,4 +407,7 @@ def table(p: dict) -> str:
     if (h := p.get("host_inside")) and "inside" in h:
         lines.append(f"inside {h['outer']} ({h['n']} of them, {h['ms']:.3f} ms), by event:")
         lines += [f"  {e['ms']:9.3f} ms x{e['n']:<5d} {e['event']}" for e in h["inside"]]
+        for i, evs in enumerate(h.get("first", [])):
+            lines.append(f"  its {i + 1}. opens with: " + ", ".join(
+                f"{e['event']} at +{e['at_ms']:.3f} ({e['dur_ms']:.3f} ms)" for e in evs))
     return "\n".join(lines)

@@ -206,6 +206,10 @@ def test_profile_breaks_the_hosts_issue_into_the_events_inside_it(tmp_path):
     assert not any("Execute" in e["event"] or any(c.isdigit() for c in e["event"])
                    for e in got["inside"]), got
     assert any(e["n"] % 3 == 0 for e in got["inside"]), got  # once per run
+    assert len(got["first"]) == got["n"] and all(
+        0 <= e["at_ms"] <= got["ms"] and "Execute" not in e["event"]
+        for evs in got["first"] for e in evs), got
+    assert sum(map(len, got["first"])) > 0, got
     none = gpuprofile.host_inside(str(tmp_path), outer="no event has this name")
     assert (none["n"], none["inside"]) == (0, [])
 
