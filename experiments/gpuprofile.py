@@ -404,7 +404,9 @@ def table(p: dict) -> str:
                   for e in h["first"] + [{"ms": 0, "dur_ms": 0, "thread": "...", "event": ""}]
                   + h["last"]]
         lines += [f"  busiest: {b['ms']:.3f} ms x{b['n']} {b['event']}" for b in h["busiest"]]
-    if (h := p.get("host_inside")) and "inside" in h:
+    for h in (p.get("host_execute"), p.get("host_inside")):
+        if not h or "inside" not in h:
+            continue
         lines.append(f"inside {h['outer']} ({h['n']} of them, {h['ms']:.3f} ms), by event:")
         lines += [f"  {e['ms']:9.3f} ms x{e['n']:<5d} {e['event']}" for e in h["inside"]]
         for i, evs in enumerate(h.get("first", [])):

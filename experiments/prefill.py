@@ -1106,6 +1106,7 @@ def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
             prof["host"] = {"error": one_line(e)}
         try:  # the host's issue of each program, step by step
             prof["host_inside"] = kprofile.host_inside(tmp)
+            prof["host_execute"] = kprofile.host_inside(tmp, "RawLoadedExecutable::Execute", 6, 10)
         except Exception as e:  # noqa: BLE001
             prof["host_inside"] = {"error": one_line(e)}
     except Exception as e:  # noqa: BLE001  (a profile is extra: the row stands without it)
