@@ -40,6 +40,8 @@ row predicted not to fit is skipped (said in the README). The timed prefills run
 server: a GPU at its power limit runs a burst faster). Each row records the SM clock it ran at.
 The README gives each system's time over kernjax's in the same run, and issue 6's goals checked
 on them: read a change there, against an unchanged system (machines differ by 2-3 %).
+`--interleave` runs the JAX systems by turns at each row (one prefill each per round, the order
+rotated every round), so that those ratios are read under the same clocks and power.
 
     python experiments/prefill.py --max_seconds 480                        # H200, qwen3-4b
     python experiments/prefill.py --model qwen3-tiny --prompts 64,128 --chunks 32,whole --iters 1
@@ -655,6 +657,7 @@ class Results:
             "command": " ".join(shlex.quote(a) for a in ["python", *sys.argv]),
             "model": cfg.name, "dtype": args.dtype, "iters": args.iters,
             "idle": args.idle, "min_row_s": args.min_row_s,
+            "interleave": bool(getattr(args, "interleave", False)),
             "backend": jax.default_backend(), "machine": machine(),
             "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
@@ -775,6 +778,9 @@ class Results:
                  f"{a.min_row_s:g} s of them and their idle by the warm-up's time, at most 25" if a.min_row_s
                  else "") + ") after one untimed warm-up (ms = time to first token)"
                  + (f", each after {a.idle:g} s idle" if a.idle else ", back to back")
+                 + ("; the JAX systems interleaved: at each row they take turns, one prefill "
+                    "each per round, the order rotated every round (`--interleave`)"
+                    if d.get("interleave") else "")
                  + ". tok/s = S / time; MFU = FLOPs(S) / time / "
                  f"{a.peak / 1e12:.0f} TFLOP/s. SM MHz, W: the GPU's clock (median) and power "
                  "(mean) while the timed prefills ran (nvidia-smi every 100 ms, read only; its "
@@ -1085,6 +1091,108 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
         res.write()
 
 
+def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logits) -> None:
+    """`--interleave`: each row's JAX systems take turns, one timed prefill each per round, the
+    order rotated every round, so that a ratio between them is read under the same clocks and
+    power (back to back, a GPU at its power limit drifts by 2-3 % within a call, and a system
+    timed minutes after another sees another GPU). Each system's row is the median of its own
+    runs, as in the sequential order; compile and warm-up as there, before the first round."""
+    measured: dict = {}  # (S, rows) -> {system: (ms, detail)}
+    for s, label, rows in grid(args, None, prompts):
+        if (s, rows) in measured:
+            for name, (ms, detail) in measured[(s, rows)].items():
+                res.add_row(name, s, label, ms, {**detail, "same_as": detail["chunk_first"]})
+            continue
+        members, handles, firsts = [], {}, {}
+        for o in sysobjs:
+            tag = f"[{o.name}] S={s} chunk={label}"
+            why = o.rows_ok(s, rows) or ("skipped by --skip"
+                                          if f"{o.name}:{s}:{label}" in args.skip else None)
+            if why is None and clock.left() <= 0:
+                why = "not started: --max_seconds reached"
+            if why:
+                res.data["skipped"].append({"system": o.name, "prompt": s, "chunk": label,
+                                            "why": why})
+                say(f"{tag}: skipped ({why})")
+                continue
+            try:
+                h, info = o.prepare(s, rows)
+                o.reset(h)
+                t = time.perf_counter()
+                o.prefill(h)
+                firsts[o.name] = time.perf_counter() - t
+                if info is not None:
+                    res.add_compile(o.name, s, rows, sysobj_context(o, s, rows), info,
+                                    firsts[o.name])
+                members.append(o)
+                handles[o.name] = h
+            except Exception as e:  # noqa: BLE001  (one system failing never stops the row)
+                res.data["errors"].append({"system": o.name, "prompt": s, "chunk": label,
+                                           "error": one_line(e)})
+                say(f"{tag}: FAILED {one_line(e)}")
+        if not members:
+            continue
+        per_round = sum(firsts[o.name] + args.idle for o in members)
+        rounds = max(args.iters, min(25, math.ceil(args.min_row_s * len(members) / per_round)))
+        if math.isfinite(clock.left()):
+            rounds = max(1, min(rounds, int(clock.left() // per_round)))
+        times = {o.name: [] for o in members}
+        issue = {o.name: [] for o in members}
+        logits, tokens, failed = {}, {}, set()
+        start = time.time()
+        for r in range(rounds):
+            for o in members[r % len(members):] + members[:r % len(members)]:
+                if o.name in failed:
+                    continue
+                h = handles[o.name]
+                try:
+                    o.reset(h)
+                    time.sleep(args.idle)
+                    o.done = o.issued = None
+                    t = time.perf_counter()
+                    tokens[o.name], logits[o.name] = o.prefill(h)
+                    times[o.name].append((getattr(o, "done", None) or time.perf_counter()) - t)
+                    if getattr(o, "issued", None):
+                        issue[o.name].append(o.issued - t)
+                except Exception as e:  # noqa: BLE001
+                    failed.add(o.name)
+                    res.data["errors"].append({"system": o.name, "prompt": s, "chunk": label,
+                                               "error": one_line(e)})
+                    say(f"[{o.name}] S={s} chunk={label}: FAILED {one_line(e)}")
+        window = [start, time.time()]
+        measured[(s, rows)] = {}
+        for o in members:
+            if o.name in failed or not times[o.name]:
+                continue
+            lg = o.to_numpy(logits.pop(o.name))
+            if o.name == "jax-plain" and s not in ref_logits:
+                ref_logits[s] = lg
+            diff = None
+            if s in ref_logits and ref_logits[s].shape == lg.shape and o.name != "jax-plain":
+                diff = float(np.max(np.abs(lg - ref_logits[s])))
+            ms = statistics.median(times[o.name]) * 1e3
+            detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": len(times[o.name]),
+                      "times_ms": [round(x * 1e3, 3) for x in times[o.name]],
+                      "first_prefill_s": round(firsts[o.name], 3), "token": tokens[o.name],
+                      "logits_diff": diff, "self_diff": None, "chunk_first": label,
+                      "window": window, "interleaved": [m.name for m in members]}
+            if issue[o.name]:
+                detail["issue_ms"] = round(statistics.median(issue[o.name]) * 1e3, 3)
+            measured[(s, rows)][o.name] = (ms, detail)
+            res.add_row(o.name, s, label, ms, detail)
+            r_ = res.data["rows"][-1]
+            say(f"[{o.name}] S={s} chunk={label}: rows {rows}, {ms:.2f} ms median of "
+                f"{len(times[o.name])} (interleaved with {len(members) - 1}), MFU "
+                f"{100 * r_['mfu']:.2f}%, token {tokens[o.name]}"
+                + ("" if diff is None else f", max|dlogits| vs jax-plain {diff:.4g}"))
+        for o in members:
+            handles[o.name].states.clear()
+            handles[o.name].items.clear()
+        handles.clear()
+        gc.collect()
+        res.write()
+
+
 def profile_row(sysobj, h, out: Path, stem: str, tag: str) -> dict | None:
     """One more prefill of the row under `jax.profiler.trace`: its GPU time by call
     (experiments/gpuprofile.py), printed, and written to `out/profile-<stem>.json`."""
@@ -1177,6 +1285,10 @@ def parse_args(argv=None):
                     help="seconds the GPU idles before each timed prefill: one prompt's time to "
                     "first token on a quiet server (a GPU at its power limit runs a burst "
                     "faster than back to back; experiments/results/2026-12-01-h200-clocks/)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="the JAX systems take turns at each row, one timed prefill each per "
+                    "round, the order rotated every round (ratios between them read under the "
+                    "same clocks; --min_row_s counts per system); transformers after them, alone")
     ap.add_argument("--out", default=None,
                     help="default <UTC date>-h200-prefill/ in $OUT when set (the device "
                     "machine's), else in experiments/results/")
@@ -1294,7 +1406,25 @@ def main():
             nbytes = sum(x.nbytes for x in weights.values())
             say(f"random weights on {jax.devices()[0]}: {len(weights)} tensors, "
                 f"{nbytes / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
-        for name in args.systems:
+        classes = {"kernjax": Kernjax, "kernjax-2stages": Kernjax,
+                   "kernjax-unconstrained": Unconstrained, "jax-plain": Plain}
+        if args.interleave and not args.compile_only:
+            objs = []
+            try:
+                objs = [classes[x](x, fam, cfg, args, weights, tokens) for x in jax_systems]
+                say(f"interleaved: {', '.join(jax_systems)}")
+                run_interleaved(objs, args, res, args.prompts, clock, ref_logits)
+                for o in objs:
+                    res.data["notes"] += o.notes
+            finally:
+                for o in objs:
+                    o.close()
+                objs = None
+                gc.collect()
+                res.write(plot=True)
+            for x in jax_systems:
+                left_rows.pop(x, None)
+        for name in [x for x in args.systems if x in left_rows]:
             total = sum(left_rows[x] for x in args.systems if x in left_rows)
             share = clock.left() * left_rows[name] / total if math.isfinite(clock.left()) \
                 else math.inf
@@ -1328,9 +1458,7 @@ def main():
                                     transformers_attn=sysobj.versions["attn_implementation"],
                                     transformers_logits=sysobj.versions["logits_arg"])
                 else:
-                    cls = {"kernjax": Kernjax, "kernjax-2stages": Kernjax,
-                           "kernjax-unconstrained": Unconstrained, "jax-plain": Plain}[name]
-                    sysobj = cls(name, fam, cfg, args, weights, tokens)
+                    sysobj = classes[name](name, fam, cfg, args, weights, tokens)
                 run_system(sysobj, args, res, args.prompts, clock, share_end, ref_logits)
                 res.data["notes"] += getattr(sysobj, "notes", [])
             except Exception as e:  # noqa: BLE001  (a system failing never loses the others)

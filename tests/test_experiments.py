@@ -126,6 +126,38 @@ def test_prefill_benchmark_without_publishing_the_token(tmp_path):
     assert [d["iters"] for d in data["details"]] == [1, 1]  # --min_row_s 0: --iters as given
 
 
+def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
+    """--interleave: at each row every JAX system runs the same number of rounds, in one window,
+    its rows and tokens as the sequential order gives them; a row jax-plain cannot run is
+    skipped for it alone; a chunk >= S is the same row, recorded once per label."""
+    out = tmp_path / "prefill"
+    r = subprocess.run(
+        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+         "--prompts", "64", "--chunks", "32,64,whole", "--iters", "3", "--second_start", "",
+         "--profile", "", "--systems", "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain",
+         "--interleave", "--min_row_s", "0", "--out", str(out)],
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    data = json.loads((out / "results.json").read_text())
+    assert data["interleave"] is True and data["errors"] == [], data["errors"]
+    rows = {(x["system"], x["chunk"]) for x in data["rows"]}
+    jax_ = ("kernjax", "kernjax-2stages", "kernjax-unconstrained")
+    assert rows == {(n, c) for n in jax_ for c in (32, 64, "whole")} | {
+        ("jax-plain", 64), ("jax-plain", "whole")}, rows
+    assert [(x["system"], x["chunk"]) for x in data["skipped"]] == [("jax-plain", 32)]
+    first = [d for d in data["details"] if "same_as" not in d]
+    for chunk in (32, 64):
+        ds = [d for d in first if d["chunk"] == chunk]
+        assert len({d["iters"] for d in ds}) == 1 and ds[0]["iters"] == 3, ds
+        assert len({tuple(d["window"]) for d in ds}) == 1
+        assert len({d["token"] for d in ds}) == 1
+        assert all(len(d["times_ms"]) == 3 and set(d["interleaved"]) >= set(jax_) for d in ds)
+    same = [d for d in data["details"] if "same_as" in d]
+    assert {(d["system"], d["chunk"], d["same_as"]) for d in same} == {
+        (n, "whole", 64) for n in (*jax_, "jax-plain")}
+    assert "interleaved" in (out / "README.md").read_text()
+
+
 HLO = """HloModule jit_run, is_scheduled=true
 
 %fused_computation.1 (p: bf16[8]) -> bf16[8] {
