@@ -68,7 +68,9 @@
 #   (chain: $ATS picks cut points, default "18 c226 c227 12,24"; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
-#              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/
+#              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/;
+#              the JAX systems interleaved at each row (--interleave; INTERLEAVE= runs them one
+#              after another): the 1k-32k rows of four JAX systems took 180 + 138 s (2026-12-03)
 #
 #   KERNJAX_COMMIT=$(git rev-parse --short HEAD) OUT=out bash experiments/gpu_gate.sh tests attention bounds chain prefill k3
 #
@@ -514,7 +516,8 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   prefill)
     log "prefill benchmark"
     python experiments/prefill.py --out "$OUT/prefill" --profile "${PROFILE-8192}" \
-      --second_start "${SECOND_START-8192}" ${PREFILL_FLAGS:-} > "$OUT/logs/prefill.log" 2>&1
+      --second_start "${SECOND_START-8192}" ${INTERLEAVE-"--interleave"} ${PREFILL_FLAGS:-} \
+      > "$OUT/logs/prefill.log" 2>&1
     mkdir -p "$OUT/logs/profiles" && mv "$OUT"/prefill/profile-*.json "$OUT/logs/profiles/" 2>/dev/null
     tail -40 "$OUT/logs/prefill.log" | say ;;
   *) echo "unknown step $step" | say ;;

@@ -1178,6 +1178,9 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
                       "window": window, "interleaved": [m.name for m in members]}
             if issue[o.name]:
                 detail["issue_ms"] = round(statistics.median(issue[o.name]) * 1e3, 3)
+            if s in args.profile:
+                detail["profile"] = profile_row(o, handles[o.name], res.out,
+                                                f"{o.name}-{s}-{label}", f"[{o.name}] S={s}")
             measured[(s, rows)][o.name] = (ms, detail)
             res.add_row(o.name, s, label, ms, detail)
             r_ = res.data["rows"][-1]

@@ -134,7 +134,7 @@ def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
     r = subprocess.run(
         [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
          "--prompts", "64", "--chunks", "32,64,whole", "--iters", "3", "--second_start", "",
-         "--profile", "", "--systems", "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain",
+         "--profile", "64", "--systems", "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain",
          "--interleave", "--min_row_s", "0", "--out", str(out)],
         env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -156,6 +156,9 @@ def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
     assert {(d["system"], d["chunk"], d["same_as"]) for d in same} == {
         (n, "whole", 64) for n in (*jax_, "jax-plain")}
     assert "interleaved" in (out / "README.md").read_text()
+    # --profile: each system's row profiled after its rounds, as in the sequential order
+    assert all(d["profile"] and d["profile"]["kernels"] > 0 for d in first), first
+    assert len(list(out.glob("profile-*.json"))) == len(first)
 
 
 HLO = """HloModule jit_run, is_scheduled=true
