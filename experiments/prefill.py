@@ -1098,6 +1098,8 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
     timed minutes after another sees another GPU). Each system's row is the median of its own
     runs, as in the sequential order; compile and warm-up as there, before the first round."""
     measured: dict = {}  # (S, rows) -> {system: (ms, detail)}
+    own: dict = {}  # (system, S) -> (chunk label, last row's logits) of its first row at S
+    waiting: list = []  # (S, recorded detail, logits): rows run before jax-plain's at S
     for s, label, rows in grid(args, None, prompts):
         if (s, rows) in measured:
             for name, (ms, detail) in measured[(s, rows)].items():
@@ -1167,14 +1169,19 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
             lg = o.to_numpy(logits.pop(o.name))
             if o.name == "jax-plain" and s not in ref_logits:
                 ref_logits[s] = lg
-            diff = None
+            diff = self_diff = None
             if s in ref_logits and ref_logits[s].shape == lg.shape and o.name != "jax-plain":
                 diff = float(np.max(np.abs(lg - ref_logits[s])))
+            if (o.name, s) in own:
+                self_diff = {"chunk": own[(o.name, s)][0],
+                             "max_abs": float(np.max(np.abs(lg - own[(o.name, s)][1])))}
+            else:
+                own[(o.name, s)] = (label, lg)
             ms = statistics.median(times[o.name]) * 1e3
             detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": len(times[o.name]),
                       "times_ms": [round(x * 1e3, 3) for x in times[o.name]],
                       "first_prefill_s": round(firsts[o.name], 3), "token": tokens[o.name],
-                      "logits_diff": diff, "self_diff": None, "chunk_first": label,
+                      "logits_diff": diff, "self_diff": self_diff, "chunk_first": label,
                       "window": window, "interleaved": [m.name for m in members]}
             if issue[o.name]:
                 detail["issue_ms"] = round(statistics.median(issue[o.name]) * 1e3, 3)
@@ -1183,11 +1190,17 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
                                                 f"{o.name}-{s}-{label}", f"[{o.name}] S={s}")
             measured[(s, rows)][o.name] = (ms, detail)
             res.add_row(o.name, s, label, ms, detail)
+            if diff is None and o.name != "jax-plain":  # jax-plain's row may come later
+                waiting.append((s, res.data["details"][-1], lg))
             r_ = res.data["rows"][-1]
             say(f"[{o.name}] S={s} chunk={label}: rows {rows}, {ms:.2f} ms median of "
                 f"{len(times[o.name])} (interleaved with {len(members) - 1}), MFU "
                 f"{100 * r_['mfu']:.2f}%, token {tokens[o.name]}"
                 + ("" if diff is None else f", max|dlogits| vs jax-plain {diff:.4g}"))
+        for x in [w for w in waiting if w[0] in ref_logits]:  # jax-plain's logits, now there
+            waiting.remove(x)
+            if ref_logits[x[0]].shape == x[2].shape:
+                x[1]["logits_diff"] = float(np.max(np.abs(x[2] - ref_logits[x[0]])))
         for o in members:
             handles[o.name].states.clear()
             handles[o.name].items.clear()
@@ -1411,7 +1424,7 @@ def main():
                 f"{nbytes / 2**30:.2f} GiB in {time.perf_counter() - t:.1f} s")
         classes = {"kernjax": Kernjax, "kernjax-2stages": Kernjax,
                    "kernjax-unconstrained": Unconstrained, "jax-plain": Plain}
-        if args.interleave and not args.compile_only:
+        if args.interleave and jax_systems and not args.compile_only:
             objs = []
             try:
                 objs = [classes[x](x, fam, cfg, args, weights, tokens) for x in jax_systems]

@@ -158,6 +158,13 @@ def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
     assert "interleaved" in (out / "README.md").read_text()
     # --profile: each system's row profiled after its rounds, as in the sequential order
     assert all(d["profile"] and d["profile"]["kernels"] > 0 for d in first), first
+    # the checks as in the sequential order: every kernjax row against jax-plain's logits (a
+    # chunk row runs before jax-plain's one pass), and each system against its first chunk
+    assert all(d["logits_diff"] is not None for d in data["details"]
+               if d["system"] != "jax-plain"), data["details"]
+    assert {(d["system"], d["chunk"]) for d in first if d["self_diff"]} == {
+        (n, 64) for n in jax_}, first
+    assert all(d["self_diff"]["chunk"] == 32 for d in first if d["self_diff"])
     assert len(list(out.glob("profile-*.json"))) == len(first)
 
 
