@@ -1428,8 +1428,16 @@ def main():
             objs = []
             try:
                 objs = [classes[x](x, fam, cfg, args, weights, tokens) for x in jax_systems]
-                say(f"interleaved: {', '.join(jax_systems)}")
-                run_interleaved(objs, args, res, args.prompts, clock, ref_logits)
+                # the JAX systems' share of --max_seconds, as they would have one after another
+                sub = Clock(0)
+                if math.isfinite(clock.left()):
+                    share = clock.left() * sum(left_rows[x] for x in jax_systems) / sum(
+                        left_rows.values())
+                    sub.end = time.time() + share
+                say(f"interleaved: {', '.join(jax_systems)}" + (
+                    f", {sub.left():.0f} s of {clock.left():.0f} s left"
+                    if math.isfinite(sub.left()) else ""))
+                run_interleaved(objs, args, res, args.prompts, sub, ref_logits)
                 for o in objs:
                     res.data["notes"] += o.notes
             finally:
