@@ -21,7 +21,9 @@ kernels, `fusion` for XLA's own, `copy`/`memset`, `other`).
 from __future__ import annotations
 
 import collections
+import functools
 import glob
+import os
 import re
 
 _CALL = re.compile(r"jit\(((?:l\d+\.)?[A-Za-z_][\w.]*)\)")
@@ -49,12 +51,18 @@ def kind_of(kernel: str) -> str:
 
 def _xplane(trace_dir: str):
     """The newest xplane under `trace_dir`, read."""
-    from jax._src.lib import _profile_data
-
     files = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
     if not files:
         raise FileNotFoundError(f"no .xplane.pb under {trace_dir}")
-    return _profile_data.ProfileData.from_file(files[-1])
+    return _read(files[-1], os.stat(files[-1]).st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=1)
+def _read(path: str, mtime_ns: int):
+    """One trace read once for the several summaries a profile makes of it."""
+    from jax._src.lib import _profile_data
+
+    return _profile_data.ProfileData.from_file(path)
 
 
 def kernels(trace_dir: str) -> list[dict]:

@@ -958,19 +958,51 @@ def share_weight(system_name, args, prompts):
     return max(1, len({(s, rows) for s, _, rows in g}) + 2 * programs)
 
 
+def skip_why(o, args, s, label, rows) -> str | None:
+    """Why system `o` does not run this row (its own reason, or --skip), or None."""
+    why = o.rows_ok(s, rows)
+    if why is None and f"{o.name}:{s}:{label}" in args.skip:
+        why = "skipped by --skip"
+    return why
+
+
+def logit_checks(o, s, label, lg, ref_logits, own) -> tuple:
+    """`(diff, self_diff)` of a row's last logits: against jax-plain's at S (which its own first
+    row sets), and against the system's first row at S (`own[(system, S)]`, set here)."""
+    diff = self_diff = None
+    if o.name == "jax-plain" and s not in ref_logits:
+        ref_logits[s] = lg
+    elif not o.torch and s in ref_logits and ref_logits[s].shape == lg.shape:
+        diff = float(np.max(np.abs(lg - ref_logits[s])))
+    if (o.name, s) in own:
+        self_diff = {"chunk": own[(o.name, s)][0],
+                     "max_abs": float(np.max(np.abs(lg - own[(o.name, s)][1])))}
+    else:
+        own[(o.name, s)] = (label, lg)
+    return diff, self_diff
+
+
+def row_detail(s, label, rows, times, first, token, checks, window, issue) -> dict:
+    """A timed row's record: its runs, warm-up, token, logit checks, window and host issue."""
+    detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": len(times),
+              "times_ms": [round(x * 1e3, 3) for x in times],
+              "first_prefill_s": round(first, 3), "token": token, "logits_diff": checks[0],
+              "self_diff": checks[1], "chunk_first": label, "window": window}
+    if issue:  # the host's time to issue every program, median (the GPU runs meanwhile)
+        detail["issue_ms"] = round(statistics.median(issue) * 1e3, 3)
+    return detail
+
+
 def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: float, ref_logits):
     name = sysobj.name
     measured: dict = {}  # (S, rows) -> (ms, detail)
     history: list = []  # (S, chunk label or "one pass", prefill seconds)
-    own_logits: dict = {}  # S -> (chunk label, last row's logits) of this system's first row
+    own: dict = {}  # (system, S) -> (chunk label, last row's logits) of its first row at S
     failed: dict = {}  # (S, rows) -> the chunk label whose row failed
     worst_compile = 0.0
     for s, label, rows in grid(args, name, prompts):
         tag = f"[{name}] S={s} chunk={label}"
-        why = sysobj.rows_ok(s, rows)
-        if why is None and f"{name}:{s}:{label}" in args.skip:
-            why = "skipped by --skip"
-        if why:
+        if why := skip_why(sysobj, args, s, label, rows):
             res.data["skipped"].append({"system": name, "prompt": s, "chunk": label, "why": why})
             say(f"{tag}: skipped ({why})")
             continue
@@ -1044,25 +1076,11 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                     issue.append(sysobj.issued - t)
                 spans.append((wall, time.time()))
             ms = statistics.median(times) * 1e3
-            diff = self_diff = None
-            lg = sysobj.to_numpy(logits)
+            diff, self_diff = logit_checks(sysobj, s, label, sysobj.to_numpy(logits), ref_logits,
+                                           own)
             del logits
-            if name == "jax-plain" and s not in ref_logits:
-                ref_logits[s] = lg
-            elif not sysobj.torch and s in ref_logits and ref_logits[s].shape == lg.shape:
-                diff = float(np.max(np.abs(lg - ref_logits[s])))
-            if s in own_logits:
-                self_diff = (own_logits[s][0], float(np.max(np.abs(lg - own_logits[s][1]))))
-            else:
-                own_logits[s] = (label, lg)
-            detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": iters,
-                      "times_ms": [round(x * 1e3, 3) for x in times],
-                      "first_prefill_s": round(first, 3), "token": token, "logits_diff": diff,
-                      "self_diff": None if self_diff is None else
-                      {"chunk": self_diff[0], "max_abs": self_diff[1]},
-                      "chunk_first": label, "window": [spans[0][0], spans[-1][1]]}
-            if issue:  # the host's time to issue every program, median (the GPU runs meanwhile)
-                detail["issue_ms"] = round(statistics.median(issue) * 1e3, 3)
+            detail = row_detail(s, label, rows, times, first, token, (diff, self_diff),
+                                [spans[0][0], spans[-1][1]], issue)
             if s in args.profile and not sysobj.torch:
                 detail["profile"] = profile_row(sysobj, h, res.out, f"{name}-{s}-{label}", tag)
             measured[(s, rows)] = (ms, detail)
@@ -1076,7 +1094,7 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                 f"{100 * r['mfu']:.2f}%, token {token}"
                 + ("" if diff is None else f", max|dlogits| vs jax-plain {diff:.4g}")
                 + ("" if self_diff is None else
-                   f", vs its chunk {self_diff[0]} {self_diff[1]:.4g}"))
+                   f", vs its chunk {self_diff['chunk']} {self_diff['max_abs']:.4g}"))
         except Exception as e:  # noqa: BLE001  (one row failing never stops the run)
             msg = one_line(e)
             res.data["errors"].append({"system": name, "prompt": s, "chunk": label, "error": msg})
@@ -1108,8 +1126,7 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
         members, handles, firsts = [], {}, {}
         for o in sysobjs:
             tag = f"[{o.name}] S={s} chunk={label}"
-            why = o.rows_ok(s, rows) or ("skipped by --skip"
-                                          if f"{o.name}:{s}:{label}" in args.skip else None)
+            why = skip_why(o, args, s, label, rows)
             if why is None and clock.left() <= 0:
                 why = "not started: --max_seconds reached"
             if why:
@@ -1167,24 +1184,11 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
             if o.name in failed or not times[o.name]:
                 continue
             lg = o.to_numpy(logits.pop(o.name))
-            if o.name == "jax-plain" and s not in ref_logits:
-                ref_logits[s] = lg
-            diff = self_diff = None
-            if s in ref_logits and ref_logits[s].shape == lg.shape and o.name != "jax-plain":
-                diff = float(np.max(np.abs(lg - ref_logits[s])))
-            if (o.name, s) in own:
-                self_diff = {"chunk": own[(o.name, s)][0],
-                             "max_abs": float(np.max(np.abs(lg - own[(o.name, s)][1])))}
-            else:
-                own[(o.name, s)] = (label, lg)
+            diff, self_diff = logit_checks(o, s, label, lg, ref_logits, own)
             ms = statistics.median(times[o.name]) * 1e3
-            detail = {"rows": rows, "chunks": len(chunks(s, rows)), "iters": len(times[o.name]),
-                      "times_ms": [round(x * 1e3, 3) for x in times[o.name]],
-                      "first_prefill_s": round(firsts[o.name], 3), "token": tokens[o.name],
-                      "logits_diff": diff, "self_diff": self_diff, "chunk_first": label,
-                      "window": window, "interleaved": [m.name for m in members]}
-            if issue[o.name]:
-                detail["issue_ms"] = round(statistics.median(issue[o.name]) * 1e3, 3)
+            detail = row_detail(s, label, rows, times[o.name], firsts[o.name], tokens[o.name],
+                                (diff, self_diff), window, issue[o.name])
+            detail["interleaved"] = [m.name for m in members]
             if s in args.profile:
                 detail["profile"] = profile_row(o, handles[o.name], res.out,
                                                 f"{o.name}-{s}-{label}", f"[{o.name}] S={s}")
