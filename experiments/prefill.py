@@ -993,6 +993,35 @@ def row_detail(s, label, rows, times, first, token, checks, window, issue) -> di
     return detail
 
 
+def warm_up(o, res: Results, s, rows, h, info) -> float:
+    """The row's untimed first prefill, after which its compile (if it built one) is recorded,
+    with the cut's points and plain JAX's attention: its seconds."""
+    o.reset(h)
+    t = time.perf_counter()
+    o.prefill(h)
+    first = time.perf_counter() - t
+    if info is not None:
+        res.add_compile(o.name, s, rows, sysobj_context(o, s, rows), info, first)
+        if isinstance(h, Handle) and "points" in h.extra:
+            res.data["cut_points"] = h.extra["points"]
+        if "attention" in info:
+            res.data["plain_attention"] = info["attention"]
+    return first
+
+
+def timed_prefill(o, h, idle: float) -> tuple:
+    """One timed prefill from zeroed states after `idle` s: (seconds, the host's seconds to
+    issue every program or None, token, logits)."""
+    o.reset(h)
+    time.sleep(idle)
+    o.done = o.issued = None
+    t = time.perf_counter()
+    token, logits = o.prefill(h)
+    done = (getattr(o, "done", None) or time.perf_counter()) - t
+    issued = getattr(o, "issued", None)  # JAX systems: when the host had issued all
+    return done, (issued - t if issued else None), token, logits
+
+
 def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: float, ref_logits):
     name = sysobj.name
     measured: dict = {}  # (S, rows) -> (ms, detail)
@@ -1046,17 +1075,8 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                     res.add_compile(name, s, rows, sysobj_context(sysobj, s, rows), info, 0.0)
                     say(f"{tag}: compiled in {res.data['compile'][-1]['total_s']:.1f} s")
                 continue
-            sysobj.reset(h)
-            t = time.perf_counter()
-            token, logits = sysobj.prefill(h)
-            first = time.perf_counter() - t
+            first = warm_up(sysobj, res, s, rows, h, info)
             if info is not None:
-                ctx = sysobj_context(sysobj, s, rows)
-                res.add_compile(name, s, rows, ctx, info, first)
-                if isinstance(h, Handle) and "points" in h.extra:
-                    res.data["cut_points"] = h.extra["points"]
-                if "attention" in info:
-                    res.data["plain_attention"] = info["attention"]
                 worst_compile = max(worst_compile, res.data["compile"][-1]["total_s"])
             left = min(clock.left(), share_end - time.time())
             # a short row gets more runs: --min_row_s of them and their idle, at most 25
@@ -1066,14 +1086,10 @@ def run_system(sysobj, args, res: Results, prompts, clock: Clock, share_end: flo
                 iters = max(1, min(iters, int(left // per_run)))
             times, spans, issue = [], [], []
             for _ in range(iters):
-                sysobj.reset(h)
-                time.sleep(args.idle)
-                sysobj.done = None
-                t, wall = time.perf_counter(), time.time()
-                token, logits = sysobj.prefill(h)
-                times.append((getattr(sysobj, "done", None) or time.perf_counter()) - t)
-                if getattr(sysobj, "issued", None):  # JAX systems: when the host had issued all
-                    issue.append(sysobj.issued - t)
+                wall = time.time()
+                sec, issued, token, logits = timed_prefill(sysobj, h, args.idle)
+                times.append(sec)
+                issue += [issued] * (issued is not None)
                 spans.append((wall, time.time()))
             ms = statistics.median(times) * 1e3
             diff, self_diff = logit_checks(sysobj, s, label, sysobj.to_numpy(logits), ref_logits,
@@ -1136,13 +1152,7 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
                 continue
             try:
                 h, info = o.prepare(s, rows)
-                o.reset(h)
-                t = time.perf_counter()
-                o.prefill(h)
-                firsts[o.name] = time.perf_counter() - t
-                if info is not None:
-                    res.add_compile(o.name, s, rows, sysobj_context(o, s, rows), info,
-                                    firsts[o.name])
+                firsts[o.name] = warm_up(o, res, s, rows, h, info)
                 members.append(o)
                 handles[o.name] = h
             except Exception as e:  # noqa: BLE001  (one system failing never stops the row)
@@ -1165,14 +1175,9 @@ def run_interleaved(sysobjs, args, res: Results, prompts, clock: Clock, ref_logi
                     continue
                 h = handles[o.name]
                 try:
-                    o.reset(h)
-                    time.sleep(args.idle)
-                    o.done = o.issued = None
-                    t = time.perf_counter()
-                    tokens[o.name], logits[o.name] = o.prefill(h)
-                    times[o.name].append((getattr(o, "done", None) or time.perf_counter()) - t)
-                    if getattr(o, "issued", None):
-                        issue[o.name].append(o.issued - t)
+                    sec, issued, tokens[o.name], logits[o.name] = timed_prefill(o, h, args.idle)
+                    times[o.name].append(sec)
+                    issue[o.name] += [issued] * (issued is not None)
                 except Exception as e:  # noqa: BLE001
                     failed.add(o.name)
                     res.data["errors"].append({"system": o.name, "prompt": s, "chunk": label,

@@ -47,8 +47,9 @@ def silu_mul_f32(g, u):
 def tiling(rows: int) -> dict:
     """The tiles for `rows` rows, measured on an H200 (`experiments/fused_mlp.py`): a
     warpgroup's tile, its two side by side (`wg_n`) or one above the other, the CTAs' order.
-    Above 2048 rows three pipeline steps: 3.5 % faster than four at 8192 rows in two calls
-    (experiments/results/2026-12-03-h200-mlp-steps/)."""
+    Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
+    (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
+    than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/)."""
     if rows <= 2048:
         return dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     return dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)

@@ -156,6 +156,10 @@ def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
     assert {(d["system"], d["chunk"], d["same_as"]) for d in same} == {
         (n, "whole", 64) for n in (*jax_, "jax-plain")}
     assert "interleaved" in (out / "README.md").read_text()
+    # the run's facts the warm-up records, as in the sequential order: the cut's calls and
+    # plain JAX's attention, both named in the README
+    assert data["cut_points"] and data["plain_attention"] == "xla", data.get("cut_points")
+    assert "(calls ?)" not in (out / "README.md").read_text()
     # --profile: each system's row profiled after its rounds, as in the sequential order
     assert all(d["profile"] and d["profile"]["kernels"] > 0 for d in first), first
     # the checks as in the sequential order: every kernjax row against jax-plain's logits (a
