@@ -54,6 +54,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPushCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjPostCuda);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjFa3Cuda);           // fa3.cu
 XLA_FFI_DECLARE_HANDLER_SYMBOL(KjFa3CudaGraph);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjQkRopeCuda);        // dense.cu
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjHeadNormCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjRopeCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjKvWriteCuda);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(KjAddNormCuda);
 namespace kj {
 std::string Fa3Load(const std::string& path);
 bool Fa3Loaded();
@@ -237,6 +242,11 @@ PYBIND11_MODULE(_ffi, m) {
         cuda["kj_post"] = Encapsulate(KjPostCuda);
         const char* g = std::getenv("KERNJAX_FA3_GRAPHS");  // "0": outside XLA's CUDA graphs
         cuda["kj_fa3"] = Encapsulate(g && !std::strcmp(g, "0") ? KjFa3Cuda : KjFa3CudaGraph);
+        cuda["kj_qk_rope"] = Encapsulate(KjQkRopeCuda);
+        cuda["kj_head_norm"] = Encapsulate(KjHeadNormCuda);
+        cuda["kj_rope"] = Encapsulate(KjRopeCuda);
+        cuda["kj_kv_write"] = Encapsulate(KjKvWriteCuda);
+        cuda["kj_add_norm"] = Encapsulate(KjAddNormCuda);
 #endif
         py::dict out;
         out["cpu"] = cpu;

@@ -42,6 +42,8 @@
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
 #              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13
+#   dense      experiments/dense_calls.py: q_norm, k_norm, rope and kv_write as csrc/dense.cu's one
+#              kernel and apart, and add_norm's kernel, against XLA's, at $DENSE_ROWS: roadmap K14
 #   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
 #              kernel against XLA's two, at $ADDNORM_ROWS (512,2048,8192)
 #   gemms      experiments/gemms.py: a layer's GEMMs as today against merged (q/k/v, gate/up, silu·mul
@@ -65,7 +67,7 @@
 #              8k prefill in one chunk back to back and after 3 s idle, and the attention kernel
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
-#   (chain: $ATS picks cut points, default "18 c226 c227 12,24"; $CHUNKS the chunk sizes)
+#   (chain: $ATS picks cut points, default "18 c221 c226 c227 12,24": c221 inside K14's group; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
 #              again by a second process ($SECOND_START, 8192); the profiles in logs/profiles/;
@@ -224,7 +226,8 @@ for step in "$@"; do
     # machine's XLA cache, as before conftest set one per run (with one per run the groups took
     # 218-374 s against 206-342 s, under a 400 s limit; the machine's part in that not separated).
     IFS=';' read -ra groups <<< "${TEST_GROUPS:-${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
-      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py}}"
+      tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py \
+      tests/test_dense_cuda.py}}"
     pids=()
     for g in "${!groups[@]}"; do
       KERNJAX_XLA_CACHE=$KERNJAX_CACHE/xla timeout -s INT -k 60 "${TEST_SECONDS:-900}" \
@@ -246,7 +249,7 @@ for step in "$@"; do
     OUT=$OUT/tests SKIP_BUILD=1 TEST_SECONDS=${TEST_SECONDS:-420} TEST_GROUPS="${TEST_GROUPS:-\
 tests/test_serve.py tests/test_serve_link.py tests/test_http.py;\
 tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;\
-tests/test_mlp_hopper.py tests/test_processes.py tests/test_parity.py tests/test_cut.py tests/test_ffi.py \
+tests/test_mlp_hopper.py tests/test_dense_cuda.py tests/test_processes.py tests/test_parity.py tests/test_cut.py tests/test_ffi.py \
 tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       bash experiments/gpu_gate.sh tests > /dev/null 2>&1
     wait
@@ -323,7 +326,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   chain)
     for c in $CHUNKS; do
       python experiments/prompts.py --chunk "$c" --vocab 151936 > "$OUT/logs/prompts$c.txt"
-      for at in ${ATS:-18 c226 c227 12,24}; do
+      for at in ${ATS:-18 c221 c226 c227 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
         python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
@@ -440,6 +443,11 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
     python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
       > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
+  dense)
+    log "a dense layer's small calls as csrc/dense.cu's kernels, against XLA's (roadmap K14)"
+    KERNJAX_DENSE_CUDA=1 python experiments/dense_calls.py --rows "${DENSE_ROWS:-512,2048,8192}" \
+      > "$OUT/logs/dense_calls.log" 2>&1 || echo "dense_calls.py: exit $?" >> "$OUT/logs/dense_calls.log"
+    grep -E "^\||exit|Error" "$OUT/logs/dense_calls.log" | say ;;
   addnorm)
     log "the residual add and the next RMSNorm as one kernel, against XLA's"
     python experiments/add_norm.py --rows "${ADDNORM_ROWS:-512,2048,8192}" \

@@ -32,12 +32,14 @@ FORMAT = 1
 PROGRAM = "program.jaxexport"
 # Custom calls jax.export refuses by default because their encoding may change between releases:
 # Pallas' Triton and Mosaic GPU kernels, and the extension's own ops (kj_kda, which k3's KDA calls
-# lower to on CUDA; kj_fa3, bf16 attention on CUDA; the edge ops of edged programs). An artifact
+# lower to on CUDA; kj_fa3, bf16 attention on CUDA; a dense layer's small calls, csrc/dense.cu;
+# the edge ops of edged programs). An artifact
 # is read only by the jax version and the extension that wrote it, so they are safe; naming a
 # target a program lacks costs nothing.
 UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
             for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "kj_kda", "kj_fa3",
-                         "kj_mark", "kj_hold", "kj_recv", "kj_push", "kj_post")]
+                         "kj_mark", "kj_hold", "kj_recv", "kj_push", "kj_post", "kj_qk_rope",
+                         "kj_head_norm", "kj_rope", "kj_kv_write", "kj_add_norm")]
 # A stage of a cut also gets its program with the edge ops at its edges (kernjax/edge.py), for
 # the transports that move activations on the device; its inputs end with the item's number.
 EDGED = "edged.jaxexport"

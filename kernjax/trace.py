@@ -26,6 +26,7 @@ Tracing needs shapes only (`jax.ShapeDtypeStruct`), never weights.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable, Mapping, Sequence
 
@@ -99,14 +100,20 @@ GPU_PLATFORMS = ("cuda", "rocm")
 _ON_GPU: dict[tuple[str, ...], Callable] = {}
 
 
-def on_gpu(*names: str) -> Callable:
-    """Registers a GPU lowering for calls named `….name`, or a pair: such a call, then one of the
-    second name reading exactly its results, which nothing else reads, run as one. It takes the
-    (first) call's arguments, returns its (the pair's last) results, or None for shapes it does
-    not suit (then XLA's). Jaxpr and cut id stay; a pair gives its calls' own lowerings' bits.
-    One jit for all its calls, inlined by JAX: traced and lowered once per shapes, not once per
-    layer (Mosaic GPU's lowering of 36 kernels took 9 s), the same ops at each call."""
-    return lambda fn: _ON_GPU.setdefault(names, jax.jit(fn, inline=jax.Inline.JAX_LATE))
+def on_gpu(*names: str, rule: bool = False) -> Callable:
+    """Registers a GPU lowering for a run of calls named `….names[0]`, `….names[1]`, … in a row.
+    A plain `fn` takes the run's outside arguments (in order of first use, each once: for one
+    call, its arguments) and returns its last call's results, or None for shapes it does not
+    suit (then XLA's); a run of several runs only where its later calls read nothing else and
+    nothing after reads an earlier call's results. A `rule` gets the run's equations and, per
+    result in order, whether anything after the run reads it, and returns such a function (giving
+    exactly the results read) or None. Jaxpr and cut id stay; a run gives its calls' own
+    lowerings' bits. Plain fns are one jit for all their calls, inlined by JAX: traced and lowered
+    once per shapes, not once per layer (Mosaic GPU's lowering of 36 kernels took 9 s)."""
+    return lambda fn: _ON_GPU.setdefault(names, (fn, rule))
+
+
+_jit = functools.cache(lambda fn: jax.jit(fn, inline=jax.Inline.JAX_LATE))
 
 
 def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) -> Callable:
@@ -135,12 +142,11 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
         i = 0
         while i < len(jp.eqns):
-            ins = [read(v) for v in jp.eqns[i].invars]
-            last, vals = (_own_lowering(jp, i, ins, fences) if gpu else None) or (i, None)
+            last, outvars, vals = (_own_lowering(jp, i, read, fences) if gpu else None) or (
+                i, jp.eqns[i].outvars, None)
             if vals is None:
-                vals = fenced[i](*ins)
-            outs = [(v, x) for v, x in zip(jp.eqns[last].outvars, vals)
-                    if not isinstance(v, jex.DropVar)]
+                vals = fenced[i](*[read(v) for v in jp.eqns[i].invars])
+            outs = [(v, x) for v, x in zip(outvars, vals) if not isinstance(v, jex.DropVar)]
             if cuts & set(range(i, last + 1)) and outs:  # its smallest result through a no-op
                 j = min(range(len(outs)), key=lambda k: outs[k][1].size)  # the graphs stop at
                 outs[j] = outs[j][0], ffi.publish(outs[j][1], 0, slot=0)
@@ -151,19 +157,32 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
     return run
 
 
-def _own_lowering(jp: jex.Jaxpr, i: int, ins: list, fences: bool) -> tuple[int, list] | None:
-    """(the last call it covers, its results) of an `on_gpu` lowering of call i (with i + 1 where
-    a pair is registered and the jaxpr allows), or None: XLA's lowering."""
-    e, nxt, rules = jp.eqns[i], jp.eqns[i + 1:i + 2], []
+def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, fences: bool) -> tuple | None:
+    """(the last call it covers, the results it gives, their values) of the longest registered
+    run of `on_gpu` lowerings from call i that fits, or None: XLA's lowering."""
     short = lambda q: q.params["name"].rsplit(".", 1)[-1]  # noqa: E731
-    pair = (short(e), *map(short, nxt))
-    if nxt and pair in _ON_GPU and list(nxt[0].invars) == list(e.outvars):  # and none else reads
-        others = [*jp.outvars, *(v for j, q in enumerate(jp.eqns) if j != i + 1 for v in q.invars)]
-        rules += [(i + 1, _ON_GPU[pair])] * (not {id(v) for v in e.outvars} & set(map(id, others)))
-    for last, fn in rules + [(i, _ON_GPU[k]) for k in [(short(e),)] if k in _ON_GPU]:
-        if jax.eval_shape(fn, *ins) is not None:
-            vals = _fenced(jp.eqns[last], fn)(*ins) if fences else fn(*ins)
-            return last, list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    for names, (fn, rule) in sorted(_ON_GPU.items(), key=lambda r: -len(r[0])):
+        run = jp.eqns[i:i + len(names)]
+        if tuple(map(short, run)) != names:
+            continue
+        made = {id(v) for e in run for v in e.outvars}
+        args = [v for v in run[0].invars] if len(run) == 1 else list(
+            {id(v): v for e in run for v in e.invars if id(v) not in made}.values())
+        after = {id(v) for v in [*jp.outvars, *(v for e in jp.eqns[i + len(run):] for v in e.invars)]}
+        outs = [v for e in run for v in e.outvars]
+        exposed = tuple(id(v) in after for v in outs)
+        if not rule:
+            plain = list(map(id, args)) == list(map(id, run[0].invars)) and not any(
+                exposed[:len(outs) - len(run[-1].outvars)])
+            fn = _jit(fn) if plain else None
+            exposed = exposed[:len(outs) - len(run[-1].outvars)] + (True,) * len(run[-1].outvars)
+        elif (fn := fn(run, exposed)) is not None:
+            fn = _jit(fn)
+        ins = [read(v) for v in args]
+        if fn is not None and jax.eval_shape(fn, *ins) is not None:
+            vals = _fenced(run[-1], fn)(*ins) if fences else fn(*ins)
+            vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+            return i + len(run) - 1, [v for v, x in zip(outs, exposed) if x], vals
     return None
 
 

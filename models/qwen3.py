@@ -40,7 +40,7 @@ import numpy as np
 from kernjax.derive import Recipe
 from kernjax.trace import Program, Slot, call, on_gpu, trace
 
-from . import mlp_hopper
+from . import dense_cuda, mlp_hopper
 from .attention import chunk_attention, exact
 
 PAGE = 16
@@ -209,6 +209,13 @@ def silu_mul(g, u):
 on_gpu("gate_up", "silu_mul")(mlp_hopper.fused_call)
 on_gpu("gate_up")(mlp_hopper.gate_up_call)
 on_gpu("silu_mul")(mlp_hopper.silu_mul_call)
+# On CUDA, q_norm, k_norm, rope and kv_write as one kernel where no cut falls among them, each
+# alone on the same device code where one does, and the add_norms as one each (K14).
+on_gpu("q_norm", "k_norm", "rope", "kv_write", rule=True)(dense_cuda.qk_group)
+for _name, _rule in [("q_norm", dense_cuda.head_norm), ("k_norm", dense_cuda.head_norm),
+                     ("rope", dense_cuda.rope), ("kv_write", dense_cuda.kv_write),
+                     ("post_attn_norm", dense_cuda.add_norm), ("next_input_norm", dense_cuda.add_norm)]:
+    on_gpu(_name, rule=True)(_rule)
 
 
 def lm_head(a, w, cu_seqlens):

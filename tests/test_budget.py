@@ -52,7 +52,9 @@ def test_size_budget():
     # +40 (2026-12-02): kj_mark publishes values with its number into a ring of entries, and
     # wait_word waits on one with the GIL released (kernjax/tokens.py). Its slots by id
     # (bind_slot, 2026-12-02): no address in the HLO, so a restarted stage hits the cache.
-    assert _lines("csrc/*") < 1840
+    # +320 (2026-12-03, roadmap K14): csrc/dense.cu, a dense layer's small bf16 calls (q/k norms,
+    # RoPE, the KV write, add + norm) as kernels of our own, one device code apart and fused.
+    assert _lines("csrc/*") < 2160
 
 
 def test_kernjax_holds_no_model_knowledge():

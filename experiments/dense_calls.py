@@ -1,0 +1,160 @@
+"""Roadmap K14: a dense layer's small calls as csrc/dense.cu's kernels against XLA's lowerings.
+
+For qwen3-4b's shapes (bf16, 32 q heads, 8 kv heads of 128, hidden 2560) at each row count, the
+calls of layer 0 of a traced one-layer program, each as a program runs it (between barriers):
+
+- `qk xla`: q_norm, k_norm, rope and kv_write, XLA's lowerings, one after another;
+- `qk apart`: the four as `kj_head_norm` x2, `kj_rope`, `kj_kv_write` (a cut among them);
+- `qk fused`: the four as one `kj_qk_rope`;
+- `add_norm xla` and `add_norm cuda` (`kj_add_norm`).
+
+Each is run `--chain` times in one jit, every run waiting for the last (so the host's dispatch
+is not what is timed); ms is one run's share, the median of rounds. Also printed: whether the
+kernels give the bits of each other (fused = apart; the residual = XLA's, one rounded add), and
+how far from XLA's their results are (largest difference in bf16 steps of the larger value, and
+the share of elements that differ).
+
+    KERNJAX_DENSE_CUDA=1 python experiments/dense_calls.py --rows 512,2048,8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("KERNJAX_DENSE_CUDA", "1")
+import kernjax  # noqa: E402,F401  (its XLA flags, as the model's calls compile)
+import jax  # noqa: E402
+import jax.extend.core as jex  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from gemms import fenced, timed  # noqa: E402  (a call's barriers; median ms of rounds)
+
+from models import dense_cuda, qwen3  # noqa: E402
+
+GROUP = ("q_norm", "k_norm", "rope", "kv_write")
+
+
+def layer0(rows: int, cfg=None):
+    """The eqns of layer 0's calls by short name, and the program's config."""
+    cfg = cfg or dataclasses.replace(qwen3.CONFIGS["qwen3-4b"], layers=1)
+    program = qwen3.program(cfg, dtype="bfloat16", rows=rows, context=max(rows, 512))
+    return {e.params["name"].split(".")[-1]: e for e in program.jaxpr.jaxpr.eqns}, cfg
+
+
+def inputs(rows: int, cfg, seed: int = 0):
+    """qkv, the two norm weights, positions, a state and slots (negative and dropped ones too)."""
+    H, KV, D = cfg.heads, cfg.kv_heads, cfg.head_dim
+    k = jax.random.split(jax.random.key(seed), 4)
+    qkv = (4 * jax.random.normal(k[0], (rows, (H + 2 * KV) * D))).astype(jnp.bfloat16)
+    wq, wk = ((1 + 0.1 * jax.random.normal(kk, (D,))).astype(jnp.bfloat16) for kk in k[1:3])
+    positions = jnp.arange(rows, dtype=jnp.int32) + 7
+    pages = -(-max(rows, 512) // 16) + 1
+    kv = jax.random.normal(k[3], (pages, 16, 2, KV, D)).astype(jnp.bfloat16)
+    slots = jnp.arange(rows, dtype=jnp.int32) + 16
+    if rows >= 4:  # the pool's last row (a negative slot counts from the end), and one dropped
+        slots = slots.at[-2:].set(jnp.array([-1, pages * 16 + 5], jnp.int32))
+    return qkv, wq, wk, positions, kv, slots
+
+
+def xla_group(calls):
+    f = [fenced(jex.jaxpr_as_fun(calls[n].params["jaxpr"])) for n in GROUP]
+
+    def run(qkv, wq, wk, positions, kv, slots):
+        q, = f[0](qkv, wq)
+        k, = f[1](qkv, wk)
+        q, k = f[2](q, k, positions)
+        kv, = f[3](kv, k, qkv, slots)
+        return q, kv
+    return run
+
+
+def apart_group(calls):
+    rules = (dense_cuda.head_norm, dense_cuda.head_norm, dense_cuda.rope, dense_cuda.kv_write)
+    f = [fenced(r([calls[n]], (True,) * len(calls[n].outvars))) for r, n in zip(rules, GROUP)]
+
+    def run(qkv, wq, wk, positions, kv, slots):
+        q, k = f[0](qkv, wq), f[1](qkv, wk)
+        q, k = f[2](q, k, positions)
+        return q, f[3](kv, k, qkv, slots)
+    return run
+
+
+def fused_group(calls):
+    return fenced(dense_cuda.qk_group([calls[n] for n in GROUP], (False, False, True, False, True)))
+
+
+def chained(fn, n: int, state: int | None):
+    """`fn` n times in one jit, each run after the last: its state (argument `state`) carried,
+    the other arguments passed through a barrier with the last results."""
+    def run(*args):
+        args, outs = list(args), None
+        for _ in range(n):
+            if outs is not None:
+                args, _ = jax.lax.optimization_barrier((args, outs))
+            outs = fn(*args)
+            if state is not None:
+                args[state] = outs[-1]
+        return outs
+    return jax.jit(run)
+
+
+def steps(a, b) -> tuple[float, float]:
+    """Largest |a - b| in bf16 steps of the larger value, and the share of elements that differ."""
+    a, b = np.asarray(a, np.float32).ravel(), np.asarray(b, np.float32).ravel()
+    step = np.maximum(np.abs(a), np.abs(b)) * 2.0 ** -7 + 1e-30
+    return float(np.max(np.abs(a - b) / step)), float(np.mean(a != b))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="512,2048,8192")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--chain", type=int, default=20)
+    a = ap.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b shapes, bf16; "
+          f"{a.chain} runs chained a jit", flush=True)
+    print("| rows | calls | ms | / xla | bits | max steps from xla | share differing |\n"
+          "|---:|---|---:|---:|---|---:|---:|", flush=True)
+    for rows in map(int, a.rows.split(",")):
+        calls, cfg = layer0(rows)
+        args = inputs(rows, cfg)
+        ref = jax.jit(xla_group(calls))(*args)
+        outs, base = {}, None
+        for name, make in (("xla", xla_group), ("apart", apart_group), ("fused", fused_group)):
+            fn = make(calls)
+            outs[name] = jax.jit(fn)(*args)
+            ms = timed(chained(fn, a.chain, 4), args, a.iters) / a.chain
+            base = base or ms
+            bits = "" if name == "xla" else ("= apart" if name == "fused" and all(
+                np.asarray(x).tobytes() == np.asarray(y).tobytes()
+                for x, y in zip(outs["fused"], outs["apart"])) else
+                "" if name == "apart" else "DIFFER from apart")
+            d = [steps(x, y) for x, y in zip(outs[name], ref)]
+            print(f"| {rows} | qk {name} | {ms:.4f} | {ms / base:.3f} | {bits} | "
+                  f"{', '.join(f'{s:.2f}' for s, _ in d)} | "
+                  f"{', '.join(f'{100 * f:.2f}%' for _, f in d)} |", flush=True)
+        k = jax.random.split(jax.random.key(1), 3)
+        y, h = (jax.random.normal(kk, (rows, cfg.hidden)).astype(jnp.bfloat16) for kk in k[:2])
+        w = (1 + 0.1 * jax.random.normal(k[2], (cfg.hidden,))).astype(jnp.bfloat16)
+        xla = fenced(jex.jaxpr_as_fun(calls["post_attn_norm"].params["jaxpr"]))
+        own = fenced(dense_cuda.add_norm([calls["post_attn_norm"]], (True, True)))
+        rn, rs = jax.jit(xla)(y, h, w)
+        base = None
+        for name, fn in (("xla", xla), ("cuda", own)):
+            ms = timed(chained(fn, a.chain, 1), (y, h, w), a.iters) / a.chain
+            base = base or ms
+            n, s = jax.jit(fn)(y, h, w)
+            same = np.asarray(s).tobytes() == np.asarray(rs).tobytes()
+            (dn, fn_), (ds, _) = steps(n, rn), steps(s, rs)
+            print(f"| {rows} | add_norm {name} | {ms:.4f} | {ms / base:.3f} | "
+                  f"{'residual = xla' if same else 'residual DIFFERS'} | {dn:.2f}, {ds:.2f} | "
+                  f"{100 * fn_:.2f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
