@@ -7,12 +7,14 @@
 //   kj_kv_write  kv_write alone: k and qkv's v heads into the state
 //   kj_add_norm  the residual add and the next RMSNorm: (rms(h + y) * w, h + y)
 //
-// One warp a row. The first four run one device code for every head (HeadStep): where a cut falls
+// One block a row. The first four run one device code for every head (HeadStep): where a cut falls
 // inside the group, the calls apart give the bits of the group, since each rounds to bf16 where
 // its call's result would and every sum has one fixed order (lane by lane, then a butterfly over
-// the lanes, whose two sides add the same two numbers). No FMA contraction (__fmul_rn/__fadd_rn).
+// the lanes, whose two sides add the same two numbers); no contraction but the sums' explicit FMAs.
 // The math is models/qwen3.py's: RMSNorm in float32 cast to bf16 before the weight, NeoX RoPE with
-// cos and sin cast to bf16, each product and sum of bf16 rounded as XLA rounds it.
+// cos and sin cast to bf16, each product and sum of two bf16 rounded once to bf16 (bf16x2 .rn
+// arithmetic), which is XLA's result too: a product of two bf16 is exact in float32, and a sum is
+// exact or its rounding to float32 cannot move its rounding to bf16.
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -25,24 +27,36 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kD = 128;      // head_dim: 16 lanes a head, 8 elements a lane
-constexpr int kRows = 4;     // rows (warps) a block
-constexpr int kBatch = 4;    // head pairs loaded before any is worked on: loads in flight
+constexpr int kD = 128;     // head_dim: 16 lanes a head, 8 elements a lane
+constexpr int kWarps = 8;   // warps a row (kj_qk_rope and its calls): a head pair a step each
+constexpr int kPer = 4;     // steps a warp, at most: 64 head pairs a row
 
-__device__ __forceinline__ float Bf(float x) { return __bfloat162float(__float2bfloat16_rn(x)); }
+using B2 = __nv_bfloat162;
 
 __device__ __forceinline__ void Unpack(uint4 v, float* x) {
-  const auto* b = reinterpret_cast<const __nv_bfloat16*>(&v);
+  const auto* b = reinterpret_cast<const B2*>(&v);
 #pragma unroll
-  for (int t = 0; t < 8; ++t) x[t] = __bfloat162float(b[t]);
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(b[i]);
+    x[2 * i] = f.x, x[2 * i + 1] = f.y;
+  }
 }
 
-__device__ __forceinline__ uint4 Pack(const float* x) {
-  uint4 v;
-  auto* b = reinterpret_cast<__nv_bfloat16*>(&v);
+// bf16(w · bf16(x · r)) for 8 elements: the norm's last steps as models/qwen3.py's rms rounds
+// them (a product of two bf16 rounded once is mul.rn.bf16x2's result).
+__device__ __forceinline__ uint4 Scale(const float* x, float r, uint4 w) {
+  uint4 out;
+  auto* o = reinterpret_cast<B2*>(&out);
+  const auto* g = reinterpret_cast<const B2*>(&w);
 #pragma unroll
-  for (int t = 0; t < 8; ++t) b[t] = __float2bfloat16_rn(x[t]);
-  return v;
+  for (int i = 0; i < 4; ++i)
+    o[i] = __hmul2_rn(g[i], __floats2bfloat162_rn(__fmul_rn(x[2 * i], r), __fmul_rn(x[2 * i + 1], r)));
+  return out;
+}
+
+__device__ __forceinline__ uint4 Shfl(uint4 v, int m) {
+  return make_uint4(__shfl_xor_sync(~0u, v.x, m), __shfl_xor_sync(~0u, v.y, m),
+                    __shfl_xor_sync(~0u, v.z, m), __shfl_xor_sync(~0u, v.w, m));
 }
 
 // One class of heads of a row: read from `src` (row stride, first column), normed by `w` unless
@@ -69,46 +83,48 @@ struct Job {
   long long state_rows;
 };
 
-// x: a lane's 8 elements of a head; cs, sn: cos and sin at its 8 frequencies (bf16 values).
-__device__ __forceinline__ void HeadStep(float* x, const Part& p, const float* w, const float* cs,
-                                         const float* sn, float eps, int sub) {
+// A lane's 8 elements of a head (x), normed and roped as its part says. cs, sn: cos and sin at
+// the lane's 8 frequencies, sn negated for the first half (rope's -x2). The norm's sum: each
+// lane's 8 in order, then a butterfly over the head's 16 lanes (both sides add the same two).
+__device__ __forceinline__ uint4 HeadStep(uint4 v, const Part& p, uint4 w, uint4 cs, uint4 sn,
+                                          float eps) {
   if (p.w) {
-    float ss = 0.f;
+    float x[8], ss = 0.f;
+    Unpack(v, x);
 #pragma unroll
-    for (int t = 0; t < 8; ++t) ss = __fadd_rn(ss, __fmul_rn(x[t], x[t]));
+    for (int t = 0; t < 8; ++t) ss = __fmaf_rn(x[t], x[t], ss);
 #pragma unroll
-    for (int m = 8; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
-    const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, float(kD)), eps));
-#pragma unroll
-    for (int t = 0; t < 8; ++t) x[t] = Bf(__fmul_rn(w[t], Bf(__fmul_rn(x[t], r))));
+    for (int m = 8; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(~0u, ss, m));
+    v = Scale(x, rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / kD), eps)), w);
   }
-  if (p.rope) {
-    float o[8];
+  if (p.rope) {  // x·cos + rot·sin, rot the other half's element (from lane ^ 8)
+    const uint4 o = Shfl(v, 8);
+    auto* x = reinterpret_cast<B2*>(&v);
+    const auto *y = reinterpret_cast<const B2*>(&o), *c = reinterpret_cast<const B2*>(&cs),
+               *s = reinterpret_cast<const B2*>(&sn);
 #pragma unroll
-    for (int t = 0; t < 8; ++t) {  // the other half's element: -x2 for the first half, x1 after
-      const float y = __shfl_xor_sync(0xffffffffu, x[t], 8);
-      o[t] = Bf(__fadd_rn(Bf(__fmul_rn(x[t], cs[t])), Bf(__fmul_rn(sub < 8 ? -y : y, sn[t]))));
-    }
-#pragma unroll
-    for (int t = 0; t < 8; ++t) x[t] = o[t];
+    for (int i = 0; i < 4; ++i) x[i] = __hadd2_rn(__hmul2_rn(x[i], c[i]), __hmul2_rn(y[i], s[i]));
   }
+  return v;
 }
 
-__global__ void __launch_bounds__(32 * kRows) HeadsKernel(Job j) {
-  const int row = blockIdx.x * kRows + threadIdx.x / 32;
-  if (row >= j.rows) return;  // a whole warp: the shuffles stay full
-  const int lane = threadIdx.x % 32, sub = lane % 16, pair = lane / 16;
-  float cs[8], sn[8];
+__global__ void __launch_bounds__(32 * kWarps) HeadsKernel(Job j) {
+  const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int sub = lane % 16, pair = lane / 16;
+  __shared__ __align__(16) __nv_bfloat16 cos_s[64], sin_s[64];
   bool rope = false;
   for (int k = 0; k < j.parts; ++k) rope |= j.part[k].rope;
-  if (rope) {
-    const float pos = float(j.positions[row]);
-#pragma unroll
-    for (int t = 0; t < 8; ++t) {
-      const float a = __fmul_rn(pos, j.inv_freq[(sub % 8) * 8 + t]);
-      cs[t] = Bf(cosf(a));
-      sn[t] = Bf(sinf(a));
+  uint4 cs{}, sn{};
+  if (rope) {  // the row's 64 frequencies, once
+    if (threadIdx.x < 64) {
+      const float a = __fmul_rn(float(j.positions[row]), j.inv_freq[threadIdx.x]);
+      cos_s[threadIdx.x] = __float2bfloat16_rn(cosf(a));
+      sin_s[threadIdx.x] = __float2bfloat16_rn(sinf(a));
     }
+    __syncthreads();
+    cs = reinterpret_cast<const uint4*>(cos_s)[sub % 8];
+    sn = reinterpret_cast<const uint4*>(sin_s)[sub % 8];
+    if (sub < 8) sn.x ^= 0x80008000u, sn.y ^= 0x80008000u, sn.z ^= 0x80008000u, sn.w ^= 0x80008000u;
   }
   long long slot = -1;
   if (j.state) {  // jnp's .at[slot]: a negative slot counts from the end; out of range drops
@@ -116,77 +132,58 @@ __global__ void __launch_bounds__(32 * kRows) HeadsKernel(Job j) {
     s += s < 0 ? j.state_rows : 0;
     slot = s >= 0 && s < j.state_rows ? s : -1;
   }
-  for (int k = 0; k < j.parts; ++k) {
-    const Part& p = j.part[k];
-    float w[8];
-    if (p.w) Unpack(*reinterpret_cast<const uint4*>(p.w + sub * 8), w);
-    const __nv_bfloat16* src = p.src + row * p.src_stride + p.src_col + sub * 8;
-    for (int h0 = 0; h0 < p.heads; h0 += 2 * kBatch) {
-      uint4 v[kBatch];
+  uint4 v[kPer];
+  int part[kPer], head[kPer];
 #pragma unroll
-      for (int b = 0; b < kBatch; ++b)
-        if (h0 + 2 * b < p.heads) v[b] = *reinterpret_cast<const uint4*>(src + (h0 + 2 * b + pair) * kD);
-#pragma unroll
-      for (int b = 0; b < kBatch; ++b) {
-        const int head = h0 + 2 * b + pair;
-        if (h0 + 2 * b >= p.heads) break;
-        float x[8];
-        Unpack(v[b], x);
-        HeadStep(x, p, w, cs, sn, j.eps, sub);
-        const uint4 out = Pack(x);
-        if (p.dst)
-          *reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + head * kD + sub * 8) = out;
-        if (p.half >= 0 && slot >= 0)
-          *reinterpret_cast<uint4*>(j.state + ((slot * 2 + p.half) * j.kv_heads + head) * kD +
-                                    sub * 8) = out;
-      }
+  for (int b = 0; b < kPer; ++b) {  // the warp's head pairs: all loads first
+    int s = warp + b * kWarps, k = 0;
+    while (k < j.parts && s >= j.part[k].heads / 2) s -= j.part[k++].heads / 2;
+    part[b] = k, head[b] = 2 * s + pair;
+    if (k < j.parts) {
+      const Part& p = j.part[k];
+      v[b] = *reinterpret_cast<const uint4*>(p.src + row * p.src_stride + p.src_col + head[b] * kD + sub * 8);
     }
+  }
+#pragma unroll
+  for (int b = 0; b < kPer; ++b) {
+    if (part[b] >= j.parts) break;
+    const Part& p = j.part[part[b]];
+    const uint4 w = p.w ? reinterpret_cast<const uint4*>(p.w)[sub] : uint4{};
+    const uint4 out = HeadStep(v[b], p, w, cs, sn, j.eps);
+    if (p.dst) *reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + head[b] * kD + sub * 8) = out;
+    if (p.half >= 0 && slot >= 0)
+      *reinterpret_cast<uint4*>(j.state + ((slot * 2 + p.half) * j.kv_heads + head[b]) * kD +
+                                sub * 8) = out;
   }
 }
 
-// h + y, then its RMSNorm times w; `steps` 256-element pieces a row (hidden = 256 steps), at most 16.
-__global__ void __launch_bounds__(32 * kRows) AddNormKernel(
+// h + y, then its RMSNorm times w: one block a row, a thread 8 columns (hidden / 8 threads).
+// The sum: each thread's 8 in order, a butterfly over the warp, then the warps' in order.
+__global__ void __launch_bounds__(1024) AddNormKernel(
     const __nv_bfloat16* y, const __nv_bfloat16* h, const __nv_bfloat16* w, __nv_bfloat16* out,
-    __nv_bfloat16* hout, int rows, int steps, float eps) {
-  const int row = blockIdx.x * kRows + threadIdx.x / 32;
-  if (row >= rows) return;
-  const int lane = threadIdx.x % 32, hidden = steps * 256;
-  const long long base = (long long)row * hidden + lane * 8;
-  uint4 hv[16], yv[16];
+    __nv_bfloat16* hout, int hidden, float eps) {
+  __shared__ float part[32];
+  const long long at = (long long)blockIdx.x * hidden + threadIdx.x * 8;
+  const uint4 hv = *reinterpret_cast<const uint4*>(h + at), yv = *reinterpret_cast<const uint4*>(y + at);
+  const uint4 wv = reinterpret_cast<const uint4*>(w)[threadIdx.x];
+  uint4 sum;
+  auto* s2 = reinterpret_cast<B2*>(&sum);
 #pragma unroll
-  for (int s = 0; s < 16; ++s)
-    if (s < steps) {
-      hv[s] = *reinterpret_cast<const uint4*>(h + base + s * 256);
-      yv[s] = *reinterpret_cast<const uint4*>(y + base + s * 256);
-    }
-  float ss = 0.f;
+  for (int i = 0; i < 4; ++i)
+    s2[i] = __hadd2_rn(reinterpret_cast<const B2*>(&hv)[i], reinterpret_cast<const B2*>(&yv)[i]);
+  *reinterpret_cast<uint4*>(hout + at) = sum;
+  float x[8], ss = 0.f;
+  Unpack(sum, x);
 #pragma unroll
-  for (int s = 0; s < 16; ++s)
-    if (s < steps) {
-      float a[8], b[8];
-      Unpack(hv[s], a);
-      Unpack(yv[s], b);
+  for (int t = 0; t < 8; ++t) ss = __fmaf_rn(x[t], x[t], ss);
 #pragma unroll
-      for (int t = 0; t < 8; ++t) {
-        a[t] = Bf(__fadd_rn(a[t], b[t]));
-        ss = __fadd_rn(ss, __fmul_rn(a[t], a[t]));
-      }
-      hv[s] = Pack(a);
-      *reinterpret_cast<uint4*>(hout + base + s * 256) = hv[s];
-    }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(0xffffffffu, ss, m));
+  for (int m = 16; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(~0u, ss, m));
+  if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
+  __syncthreads();
+  ss = 0.f;
+  for (int i = 0; i < blockDim.x / 32; ++i) ss = __fadd_rn(ss, part[i]);
   const float r = rsqrtf(__fadd_rn(__fdiv_rn(ss, float(hidden)), eps));
-#pragma unroll
-  for (int s = 0; s < 16; ++s)
-    if (s < steps) {
-      float a[8], g[8];
-      Unpack(hv[s], a);
-      Unpack(*reinterpret_cast<const uint4*>(w + lane * 8 + s * 256), g);
-#pragma unroll
-      for (int t = 0; t < 8; ++t) a[t] = Bf(__fmul_rn(g[t], Bf(__fmul_rn(a[t], r))));
-      *reinterpret_cast<uint4*>(out + base + s * 256) = Pack(a);
-    }
+  *reinterpret_cast<uint4*>(out + at) = Scale(x, r, wv);
 }
 
 using Bf16 = ffi::Buffer<ffi::BF16>;
@@ -201,7 +198,10 @@ long long Rows(const Bf16& x) { return x.dimensions()[0]; }
 long long Width(const Bf16& x) { return x.element_count() / Rows(x); }
 
 ffi::Error Launch(cudaStream_t stream, Job j) {
-  if (j.rows > 0) HeadsKernel<<<(j.rows + kRows - 1) / kRows, 32 * kRows, 0, stream>>>(j);
+  int pairs = 0;
+  for (int k = 0; k < j.parts; ++k) pairs += j.part[k].heads / 2;
+  if (pairs > kWarps * kPer) return ffi::Error::InvalidArgument("dense.cu: more than 128 heads a row");
+  if (j.rows > 0) HeadsKernel<<<j.rows, 32 * kWarps, 0, stream>>>(j);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
@@ -262,11 +262,11 @@ ffi::Error KvWrite(cudaStream_t stream, Bf16 kv, Bf16 k, Bf16 qkv, ffi::Buffer<f
 
 ffi::Error AddNorm(cudaStream_t stream, Bf16 y, Bf16 h, Bf16 w, float eps, Out out, Out hout) {
   const long long rows = Rows(h), hidden = Width(h);
-  if (hidden % 256 || hidden > 16 * 256)
-    return ffi::Error::InvalidArgument("kj_add_norm: hidden must be a multiple of 256, <= 4096");
+  if (hidden % 256 || hidden > 8192)
+    return ffi::Error::InvalidArgument("kj_add_norm: hidden must be a multiple of 256, <= 8192");
   if (rows > 0)
-    AddNormKernel<<<(rows + kRows - 1) / kRows, 32 * kRows, 0, stream>>>(
-        In(y), In(h), In(w), Data(*out), Data(*hout), int(rows), int(hidden / 256), eps);
+    AddNormKernel<<<rows, hidden / 8, 0, stream>>>(In(y), In(h), In(w), Data(*out), Data(*hout),
+                                                  int(hidden), eps);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
