@@ -47,7 +47,7 @@ _SHAPES = {  # the primitives of each body the kernels implement, in order
 
 
 def enabled() -> bool:
-    return os.environ.get("KERNJAX_DENSE_CUDA", "0") != "0"
+    return os.environ.get("KERNJAX_DENSE_CUDA", "1") != "0"
 
 
 def _body(eqn: jex.JaxprEqn, kind: str) -> jex.ClosedJaxpr | None:
