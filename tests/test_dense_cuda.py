@@ -12,11 +12,13 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import export
 
 from kernjax.cut import cut, whole
-from kernjax.stage import export_stage
+from kernjax.stage import UNSTABLE, export_stage
 from models import dense_cuda, qwen3
 from models.attention_hopper import abstract_h200
 
@@ -142,3 +144,32 @@ def test_add_norm_keeps_the_residual_bits_and_the_norm_within_a_step(rows):
     n, s = jax.jit(dense_cuda.add_norm([calls["post_attn_norm"]], (True, True)))(y, h, w)
     assert np.asarray(s).tobytes() == np.asarray(rs).tobytes()
     assert _steps(n, rn) <= 1.0
+
+
+def test_a_run_sees_which_results_are_read_after_it_and_gives_only_those(monkeypatch):
+    """`trace.on_gpu(..., rule=True)`: the rule gets each result's fate; its function takes the
+    run's outside arguments once each and gives the read results, which replace the calls'."""
+    from kernjax import trace
+    from kernjax.trace import Slot, call
+
+    seen = []
+
+    def rule(eqns, exposed):
+        seen.append(([e.params["name"] for e in eqns], exposed))
+        return lambda v, w: (jnp.full_like(v, 7.0), jnp.full_like(w, 5.0))  # (ta's b, tb's c)
+
+    monkeypatch.setitem(trace._ON_GPU, ("ta", "tb"), (rule, True))
+
+    def fn(x):
+        a, b = call("l.ta", lambda v, w: (v + w, v * 2))(x["v"], x["w"])
+        c = call("l.tb", lambda p, w: p * 3 + w)(a, x["w"])
+        return {"out": call("l.tc", lambda q, r: q + r)(c, b)}
+
+    program = trace.trace(fn, [Slot("v", "fill", "float32", (4,)), Slot("w", "fill", "float32", (4,))],
+                          [("out", "logits")], rows=4)
+    spec = jax.ShapeDtypeStruct((4,), np.float32)
+    text = export.export(jax.jit(trace.as_function(program.jaxpr, "cuda")), platforms=["cuda"],
+                         disabled_checks=UNSTABLE)(spec, spec).mlir_module()
+    assert seen == [(["l.ta", "l.tb"], (False, True, True))]
+    consts = set(re.findall(r"dense<([0-9.e+]+)>", text))
+    assert {"7.000000e+00", "5.000000e+00"} <= consts and "3.000000e+00" not in consts  # not tb's
