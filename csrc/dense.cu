@@ -54,6 +54,19 @@ __device__ __forceinline__ uint4 Scale(const float* x, float r, uint4 w) {
   return out;
 }
 
+// A lane's 8 elements (into x) and the sum of all their squares over `kLanes` lanes: each lane's in
+// order, then a butterfly (both sides of each step add the same two numbers: every lane agrees).
+template <int kLanes>
+__device__ __forceinline__ float SumSquares(uint4 v, float* x) {
+  float ss = 0.f;
+  Unpack(v, x);
+#pragma unroll
+  for (int t = 0; t < 8; ++t) ss = __fmaf_rn(x[t], x[t], ss);
+#pragma unroll
+  for (int m = kLanes / 2; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(~0u, ss, m));
+  return ss;
+}
+
 __device__ __forceinline__ uint4 Shfl(uint4 v, int m) {
   return make_uint4(__shfl_xor_sync(~0u, v.x, m), __shfl_xor_sync(~0u, v.y, m),
                     __shfl_xor_sync(~0u, v.z, m), __shfl_xor_sync(~0u, v.w, m));
@@ -89,12 +102,8 @@ struct Job {
 __device__ __forceinline__ uint4 HeadStep(uint4 v, const Part& p, uint4 w, uint4 cs, uint4 sn,
                                           float eps) {
   if (p.w) {
-    float x[8], ss = 0.f;
-    Unpack(v, x);
-#pragma unroll
-    for (int t = 0; t < 8; ++t) ss = __fmaf_rn(x[t], x[t], ss);
-#pragma unroll
-    for (int m = 8; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(~0u, ss, m));
+    float x[8];
+    const float ss = SumSquares<16>(v, x);
     v = Scale(x, rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / kD), eps)), w);
   }
   if (p.rope) {  // x·cos + rot·sin, rot the other half's element (from lane ^ 8)
@@ -172,12 +181,8 @@ __global__ void __launch_bounds__(1024) AddNormKernel(
   for (int i = 0; i < 4; ++i)
     s2[i] = __hadd2_rn(reinterpret_cast<const B2*>(&hv)[i], reinterpret_cast<const B2*>(&yv)[i]);
   *reinterpret_cast<uint4*>(hout + at) = sum;
-  float x[8], ss = 0.f;
-  Unpack(sum, x);
-#pragma unroll
-  for (int t = 0; t < 8; ++t) ss = __fmaf_rn(x[t], x[t], ss);
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) ss = __fadd_rn(ss, __shfl_xor_sync(~0u, ss, m));
+  float x[8];
+  float ss = SumSquares<32>(sum, x);
   if (threadIdx.x % 32 == 0) part[threadIdx.x / 32] = ss;
   __syncthreads();
   ss = 0.f;
