@@ -97,15 +97,15 @@ class Program:
 
 
 GPU_PLATFORMS = ("cuda", "rocm")
-_ON_GPU: dict[tuple[str, ...], Callable] = {}
+_ON_GPU: dict[tuple[str, ...], tuple[Callable, bool]] = {}  # names: (fn or rule, is a rule)
 
 
 def on_gpu(*names: str, rule: bool = False) -> Callable:
     """Registers a GPU lowering for a run of calls named `….names[0]`, `….names[1]`, … in a row.
     A plain `fn` takes the run's outside arguments (in order of first use, each once: for one
     call, its arguments) and returns its last call's results, or None for shapes it does not
-    suit (then XLA's); a run of several runs only where its later calls read nothing else and
-    nothing after reads an earlier call's results. A `rule` gets the run's equations and, per
+    suit (then XLA's); for several calls, it runs only where each call reads exactly the results
+    of the one before and nothing after reads an earlier call's results. A `rule` gets the run's equations and, per
     result in order, whether anything after the run reads it, and returns such a function (giving
     exactly the results read) or None. Jaxpr and cut id stay; a run gives its calls' own
     lowerings' bits. Plain fns are one jit for all their calls, inlined by JAX: traced and lowered
@@ -166,13 +166,13 @@ def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, fences: bool) -> tuple 
         if tuple(map(short, run)) != names:
             continue
         made = {id(v) for e in run for v in e.outvars}
-        args = [v for v in run[0].invars] if len(run) == 1 else list(
+        args = list(run[0].invars) if len(run) == 1 else list(
             {id(v): v for e in run for v in e.invars if id(v) not in made}.values())
         after = {id(v) for v in [*jp.outvars, *(v for e in jp.eqns[i + len(run):] for v in e.invars)]}
         outs = [v for e in run for v in e.outvars]
         exposed = tuple(id(v) in after for v in outs)
         if not rule:
-            plain = list(map(id, args)) == list(map(id, run[0].invars)) and not any(
+            plain = all(list(b.invars) == list(a.outvars) for a, b in zip(run, run[1:])) and not any(
                 exposed[:len(outs) - len(run[-1].outvars)])
             fn = _jit(fn) if plain else None
             exposed = exposed[:len(outs) - len(run[-1].outvars)] + (True,) * len(run[-1].outvars)
