@@ -96,7 +96,9 @@ def qk_group(eqns, exposed):
         return None
     cols = (_col(bodies[0]), _col(bodies[1]), _col(bodies[3]))
     freq = _inv_freq(bodies[2])
-    if cols != (0, h * D, (h + kv) * D) or freq is None:
+    width, state = eqns[0].invars[0].aval.shape[-1], eqns[3].invars[0].aval.shape
+    if cols != (0, h * D, (h + kv) * D) or width != (h + 2 * kv) * D or state[-3:] != (2, kv, D) \
+            or freq is None:
         return None
     return _qk_rope(h, kv, _eps(bodies[0]), freq)
 
