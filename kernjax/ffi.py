@@ -23,6 +23,8 @@ recompile every step. Attributes hold only what is fixed for the life of a progr
   `models/mxfp4.py: shuffle`; derive programs run it at load).
 - `kj_fa3` (CUDA only) is the bf16 attention call through FlashAttention-3, loaded from
   `fa3_path()` (`models/attention_fa3.py`, csrc/fa3.h).
+- `kj_qk_rope`, `kj_head_norm`, `kj_rope`, `kj_kv_write`, `kj_add_norm` (CUDA only): a dense
+  layer's small bf16 calls (csrc/dense.cu), lowered to by `models/dense_cuda.py`'s rules.
 - hold, recv, push and post, the edge ops of csrc/edge.h (kernjax/edge.py puts them into stage
   programs).
 """
