@@ -445,7 +445,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
   dense)
     log "a dense layer's small calls as csrc/dense.cu's kernels, against XLA's (roadmap K14)"
-    KERNJAX_DENSE_CUDA=1 python experiments/dense_calls.py --rows "${DENSE_ROWS:-512,2048,8192}" \
+    python experiments/dense_calls.py --rows "${DENSE_ROWS:-512,2048,8192}" \
       > "$OUT/logs/dense_calls.log" 2>&1 || echo "dense_calls.py: exit $?" >> "$OUT/logs/dense_calls.log"
     grep -E "^\||exit|Error" "$OUT/logs/dense_calls.log" | say ;;
   addnorm)

@@ -134,6 +134,8 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
     fenced = [(_fenced(e) if gpu else _on_cpu(e)) if fences else jex.jaxpr_as_fun(e.params["jaxpr"])
               for e in jp.eqns]
     cuts = graph_cuts(len(jp.eqns)) if gpu and fences else set()
+    last_read = {id(v): j for j, e in enumerate(jp.eqns) for v in e.invars}  # each var's last
+    last_read |= {id(v): len(jp.eqns) for v in jp.outvars}  # reader; outputs read after all
     if cuts:
         from kernjax import ffi
 
@@ -142,8 +144,8 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
         read = lambda v: v.val if isinstance(v, jex.Literal) else env[v]  # noqa: E731
         i = 0
         while i < len(jp.eqns):
-            last, outvars, vals = (_own_lowering(jp, i, read, fences) if gpu else None) or (
-                i, jp.eqns[i].outvars, None)
+            own = _own_lowering(jp, i, read, last_read, fences) if gpu else None
+            last, outvars, vals = own or (i, jp.eqns[i].outvars, None)
             if vals is None:
                 vals = fenced[i](*[read(v) for v in jp.eqns[i].invars])
             outs = [(v, x) for v, x in zip(outvars, vals) if not isinstance(v, jex.DropVar)]
@@ -157,7 +159,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
     return run
 
 
-def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, fences: bool) -> tuple | None:
+def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, last_read: dict, fences: bool):
     """(the last call it covers, the results it gives, their values) of the longest registered
     run of `on_gpu` lowerings from call i that fits, or None: XLA's lowering."""
     short = lambda q: q.params["name"].rsplit(".", 1)[-1]  # noqa: E731
@@ -168,9 +170,8 @@ def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, fences: bool) -> tuple 
         made = {id(v) for e in run for v in e.outvars}
         args = list(run[0].invars) if len(run) == 1 else list(
             {id(v): v for e in run for v in e.invars if id(v) not in made}.values())
-        after = {id(v) for v in [*jp.outvars, *(v for e in jp.eqns[i + len(run):] for v in e.invars)]}
         outs = [v for e in run for v in e.outvars]
-        exposed = tuple(id(v) in after for v in outs)
+        exposed = tuple(last_read.get(id(v), -1) >= i + len(run) for v in outs)
         if not rule:
             plain = all(list(b.invars) == list(a.outvars) for a, b in zip(run, run[1:])) and not any(
                 exposed[:len(outs) - len(run[-1].outvars)])
@@ -178,8 +179,7 @@ def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, fences: bool) -> tuple 
             exposed = exposed[:len(outs) - len(run[-1].outvars)] + (True,) * len(run[-1].outvars)
         elif (fn := fn(run, exposed)) is not None:
             fn = _jit(fn)
-        ins = [read(v) for v in args]
-        if fn is not None and jax.eval_shape(fn, *ins) is not None:
+        if fn is not None and jax.eval_shape(fn, *(ins := [read(v) for v in args])) is not None:
             vals = _fenced(run[-1], fn)(*ins) if fences else fn(*ins)
             vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
             return i + len(run) - 1, [v for v, x in zip(outs, exposed) if x], vals

@@ -27,7 +27,7 @@ import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax import ffi
+from kernjax import ffi  # noqa: F401  (registers the extension's handlers at import)
 
 D = 128
 _NORM = ("convert_element_type mul reduce_sum broadcast_in_dim div add rsqrt mul "
@@ -78,14 +78,6 @@ def _inv_freq(body) -> tuple | None:
     return tuple(map(float, c[0])) if ok else None
 
 
-def _register() -> bool:
-    try:
-        ffi.register()
-    except ffi.ExtensionError:
-        pass  # a GPU that runs the program says so, naming the kernel
-    return True
-
-
 def qk_group(eqns, exposed):
     """q_norm, k_norm, rope, kv_write as `kj_qk_rope`: q roped and the state, where nothing
     after reads the rest."""
@@ -105,8 +97,6 @@ def qk_group(eqns, exposed):
 
 @functools.cache
 def _qk_rope(heads, kv_heads, eps, freq):
-    _register()
-
     def run(qkv, wq, wk, positions, kv, slots):
         rows = qkv.shape[0]
         q, kv = jax.ffi.ffi_call("kj_qk_rope", (
@@ -130,8 +120,6 @@ def head_norm(eqns, exposed):
 
 @functools.cache
 def _head_norm(col, heads, eps):
-    _register()
-
     def run(qkv, w):
         return jax.ffi.ffi_call("kj_head_norm", jax.ShapeDtypeStruct(
             (qkv.shape[0], heads, D), qkv.dtype))(
@@ -150,8 +138,6 @@ def rope(eqns, exposed):
 
 @functools.cache
 def _rope(freq):
-    _register()
-
     def run(q, k, positions):
         return tuple(jax.ffi.ffi_call("kj_rope", (jax.ShapeDtypeStruct(q.shape, q.dtype),
                                                   jax.ShapeDtypeStruct(k.shape, k.dtype)))(
@@ -172,8 +158,6 @@ def kv_write(eqns, exposed):
 
 @functools.cache
 def _kv_write(v_col):
-    _register()
-
     def run(kv, k, qkv, slots):
         return jax.ffi.ffi_call("kj_kv_write", jax.ShapeDtypeStruct(kv.shape, kv.dtype),
                                 input_output_aliases={0: 0})(
@@ -192,8 +176,6 @@ def add_norm(eqns, exposed):
 
 @functools.cache
 def _add_norm(eps):
-    _register()
-
     def run(y, h, w):
         spec = jax.ShapeDtypeStruct(h.shape, h.dtype)
         return tuple(jax.ffi.ffi_call("kj_add_norm", (spec, spec))(y, h, w, eps=np.float32(eps)))
