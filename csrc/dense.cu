@@ -121,6 +121,25 @@ __global__ void __launch_bounds__(32 * kWarps) HeadsKernel(Job j) {
   const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane % 16, pair = lane / 16;
   __shared__ __align__(16) __nv_bfloat16 cos_s[64], sin_s[64];
+  long long slot = -1;
+  if (j.state) {  // jnp's .at[slot]: a negative slot counts from the end; out of range drops
+    long long s = j.slots[row];
+    s += s < 0 ? j.state_rows : 0;
+    slot = s >= 0 && s < j.state_rows ? s : -1;
+  }
+  uint4 v[kPer], w[kPer];
+  int part[kPer], head[kPer];
+#pragma unroll
+  for (int b = 0; b < kPer; ++b) {  // the warp's head pairs: all loads first (then the barrier)
+    int s = warp + b * kWarps, k = 0;
+    while (k < j.parts && s >= j.part[k].heads / 2) s -= j.part[k++].heads / 2;
+    part[b] = k, head[b] = 2 * s + pair;
+    if (k < j.parts) {
+      const Part& p = j.part[k];
+      v[b] = *reinterpret_cast<const uint4*>(p.src + row * p.src_stride + p.src_col + head[b] * kD + sub * 8);
+      w[b] = p.w ? reinterpret_cast<const uint4*>(p.w)[sub] : uint4{};
+    }
+  }
   bool rope = false;
   for (int k = 0; k < j.parts; ++k) rope |= j.part[k].rope;
   uint4 cs{}, sn{};
@@ -135,34 +154,16 @@ __global__ void __launch_bounds__(32 * kWarps) HeadsKernel(Job j) {
     sn = reinterpret_cast<const uint4*>(sin_s)[sub % 8];
     if (sub < 8) sn.x ^= 0x80008000u, sn.y ^= 0x80008000u, sn.z ^= 0x80008000u, sn.w ^= 0x80008000u;
   }
-  long long slot = -1;
-  if (j.state) {  // jnp's .at[slot]: a negative slot counts from the end; out of range drops
-    long long s = j.slots[row];
-    s += s < 0 ? j.state_rows : 0;
-    slot = s >= 0 && s < j.state_rows ? s : -1;
-  }
-  uint4 v[kPer];
-  int part[kPer], head[kPer];
-#pragma unroll
-  for (int b = 0; b < kPer; ++b) {  // the warp's head pairs: all loads first
-    int s = warp + b * kWarps, k = 0;
-    while (k < j.parts && s >= j.part[k].heads / 2) s -= j.part[k++].heads / 2;
-    part[b] = k, head[b] = 2 * s + pair;
-    if (k < j.parts) {
-      const Part& p = j.part[k];
-      v[b] = *reinterpret_cast<const uint4*>(p.src + row * p.src_stride + p.src_col + head[b] * kD + sub * 8);
-    }
-  }
 #pragma unroll
   for (int b = 0; b < kPer; ++b) {
     if (part[b] >= j.parts) break;
     const Part& p = j.part[part[b]];
-    const uint4 w = p.w ? reinterpret_cast<const uint4*>(p.w)[sub] : uint4{};
-    const uint4 out = HeadStep(v[b], p, w, cs, sn, j.eps);
-    if (p.dst) *reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + head[b] * kD + sub * 8) = out;
+    const uint4 out = HeadStep(v[b], p, w[b], cs, sn, j.eps);
+    // __stwb: one 16-byte store (a plain one of `out` was split into four 4-byte ones)
+    const long long at = head[b] * kD + sub * 8;
+    if (p.dst) __stwb(reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + at), out);
     if (p.half >= 0 && slot >= 0)
-      *reinterpret_cast<uint4*>(j.state + ((slot * 2 + p.half) * j.kv_heads + head[b]) * kD +
-                                sub * 8) = out;
+      __stwb(reinterpret_cast<uint4*>(j.state + (slot * 2 + p.half) * j.kv_heads * kD + at), out);
   }
 }
 
