@@ -86,6 +86,9 @@
 #   TEST_SECONDS=240 TESTS="$A" CHUNKS=512 gpu_gate.sh tests chain
 #   TEST_SECONDS=240 TESTS="$B" CHUNKS=64 gpu_gate.sh tests chain       (+ prefill of 8k: 438 s)
 #   PROFILE= PREFILL_FLAGS="--max_seconds 420" gpu_gate.sh prefill     (no profiles: the whole table)
+# Thirty-sixth session: the table with `--min_row_s 2` (12 runs at 8k, 4 at the default 0.5;
+# `--max_seconds` only stops rows from starting) took 380 s with the build on a fresh machine;
+# `gates` with TEST_SECONDS=465, 433 s with the build.
 # With FlashAttention-3 (seventeenth session, `769e5a4`) the test files take longer: A with
 # test_attention_pallas.py ran 97 of its 116 tests in 200 s; test_attention_pallas.py and
 # test_serve.py together ~280 s. Next: A (without pallas) ~170 s + the chains at 512 ~150 s in one
