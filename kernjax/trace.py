@@ -105,11 +105,12 @@ def on_gpu(*names: str, rule: bool = False) -> Callable:
     A plain `fn` takes the run's outside arguments (in order of first use, each once: for one
     call, its arguments) and returns its last call's results, or None for shapes it does not
     suit (then XLA's); for several calls, it runs only where each call reads exactly the results
-    of the one before and nothing after reads an earlier call's results. A `rule` gets the run's equations and, per
-    result in order, whether anything after the run reads it, and returns such a function (giving
-    exactly the results read) or None. Jaxpr and cut id stay; a run gives its calls' own
-    lowerings' bits. Plain fns are one jit for all their calls, inlined by JAX: traced and lowered
-    once per shapes, not once per layer (Mosaic GPU's lowering of 36 kernels took 9 s)."""
+    of the one before and nothing after reads an earlier call's results. A `rule` gets the run's
+    equations and, per result in order, whether anything after the run reads it, and returns
+    such a function or None; it gives the results read of the calls before the last, then all of
+    the last call's (as a plain fn). Jaxpr and cut id stay; a run gives its calls' own lowerings'
+    bits. Plain fns are one jit for all their calls, inlined by JAX: traced and lowered once per
+    shapes, not once per layer (Mosaic GPU's lowering of 36 kernels took 9 s)."""
     return lambda fn: _ON_GPU.setdefault(names, (fn, rule))
 
 
@@ -172,17 +173,15 @@ def _own_lowering(jp: jex.Jaxpr, i: int, read: Callable, last_read: dict, fences
             {id(v): v for e in run for v in e.invars if id(v) not in made}.values())
         outs = [v for e in run for v in e.outvars]
         exposed = tuple(last_read.get(id(v), -1) >= i + len(run) for v in outs)
-        if not rule:
-            plain = all(list(b.invars) == list(a.outvars) for a, b in zip(run, run[1:])) and not any(
-                exposed[:len(outs) - len(run[-1].outvars)])
-            fn = _jit(fn) if plain else None
-            exposed = exposed[:len(outs) - len(run[-1].outvars)] + (True,) * len(run[-1].outvars)
-        elif (fn := fn(run, exposed)) is not None:
-            fn = _jit(fn)
-        if fn is not None and jax.eval_shape(fn, *(ins := [read(v) for v in args])) is not None:
+        inner = len(outs) - len(run[-1].outvars)  # the results of the calls before the last
+        chained = all(list(b.invars) == list(a.outvars) for a, b in zip(run, run[1:]))
+        fn = fn(run, exposed) if rule else fn if chained and not any(exposed[:inner]) else None
+        ins = [read(v) for v in args]
+        if fn is not None and jax.eval_shape(fn := _jit(fn), *ins) is not None:
             vals = _fenced(run[-1], fn)(*ins) if fences else fn(*ins)
             vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
-            return i + len(run) - 1, [v for v, x in zip(outs, exposed) if x], vals
+            given = exposed[:inner] + (True,) * len(outs)  # the last call's results all given
+            return i + len(run) - 1, [v for v, x in zip(outs, given) if x], vals
     return None
 
 

@@ -174,3 +174,22 @@ def test_a_run_sees_which_results_are_read_after_it_and_gives_only_those(monkeyp
     assert seen == [(["l.ta", "l.tb"], (False, True, True))]
     consts = set(re.findall(r"dense<([0-9.e+]+)>", text))
     assert {"7.000000e+00", "5.000000e+00"} <= consts and "3.000000e+00" not in consts  # not tb's
+
+
+def test_a_single_call_rule_gives_all_its_results_even_where_only_a_later_one_is_read(monkeypatch):
+    """A one-call rule's function returns all of its call's results; where only the second is
+    read after it, that one must get the second value (it once got the first: the results were
+    matched to the read ones by position). The GPU program, run here on the CPU."""
+    from kernjax import trace
+    from kernjax.trace import Slot, call
+
+    monkeypatch.setitem(trace._ON_GPU, ("td",), (
+        lambda eqns, exposed: lambda v: (jnp.full_like(v, 7.0), jnp.full_like(v, 5.0)), True))
+
+    def fn(x):
+        u, s = call("l.td", lambda v: (v + 1, v * 2))(x["v"])
+        return {"out": call("l.te", lambda q: q + 11)(s)}
+
+    program = trace.trace(fn, [Slot("v", "fill", "float32", (4,))], [("out", "logits")], rows=4)
+    out = jax.jit(trace.as_function(program.jaxpr, "cuda"))(np.zeros(4, np.float32))
+    assert np.asarray(out[0]).tolist() == [16.0] * 4  # 5 + 11: the rule's second result
