@@ -696,3 +696,16 @@ def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
                                                 for n in ("whole", "stage0", "stage1")]
     assert len({x.split(": ")[1] for x in first}) == 3
     assert lines() == first
+
+
+def test_heads_variants_still_apply_to_the_kernel_in_csrc():
+    """Each of experiments/heads_variants.py's variants is a set of replacements in csrc/dense.cu
+    (each must match once); a change to the kernel that breaks one says which, here."""
+    import heads_variants
+
+    src = heads_variants.sources()
+    assert src["A"] == (Path(__file__).parent.parent / "csrc" / "dense.cu").read_text()
+    for name in ("L4", "L6sc", "L6w"):
+        assert "HeadsLean<0x8B7><<<" in src[name] and "LEAN_" not in src[name]
+    assert "__launch_bounds__(32 * kWarps, 4) HeadsKernel" in src["B4"]
+    assert len(src) == len(heads_variants.variants())
