@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 import gpuprofile  # noqa: E402
@@ -698,14 +699,15 @@ def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
     assert lines() == first
 
 
-def test_heads_variants_still_apply_to_the_kernel_in_csrc():
+def test_heads_variants_still_apply_to_the_kernel_in_csrc(monkeypatch):
     """Each of experiments/heads_variants.py's variants is a set of replacements in csrc/dense.cu
     (each must match once); a change to the kernel that breaks one says which, here."""
     import heads_variants
 
     src = heads_variants.sources()
     assert src["A"] == (Path(__file__).parent.parent / "csrc" / "dense.cu").read_text()
-    for name in ("L4", "L6sc", "L6w"):
-        assert "HeadsLean<0x8B7><<<" in src[name] and "LEAN_" not in src[name]
     assert "__launch_bounds__(32 * kWarps, 4) HeadsKernel" in src["B4"]
     assert len(src) == len(heads_variants.variants())
+    monkeypatch.setattr(heads_variants, "SRC", os.devnull)  # a kernel the variants do not fit
+    with pytest.raises(ValueError, match="variant B4: .* 0 times, not once: update the variant"):
+        heads_variants.sources(["B4"])
