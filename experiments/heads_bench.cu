@@ -1,5 +1,5 @@
 // HeadsKernel (csrc/dense.cu's kj_qk_rope) alone on the GPU, at qwen3-4b's shapes, with no JAX:
-// a variant of dense.cu is compiled in by -DKJ_DENSE='"path/dense.cu"' (experiments/heads_bench.sh
+// a variant of dense.cu is compiled in by -DKJ_DENSE='"path/dense.cu"' (experiments/heads_variants.py
 // makes them), timed with CUDA events over back-to-back launches, and the bytes it wrote (q and
 // the KV state) hashed so that variants can be compared bit for bit.
 //
@@ -11,7 +11,7 @@
 
 #include KJ_DENSE
 #ifndef KJ_BENCH_FN  // the kernel the qk_rope job runs (a variant may name another)
-#define KJ_BENCH_FN HeadsKernel<0x8B7>
+#define KJ_BENCH_FN HeadsKernel
 #endif
 
 #include <cmath>
