@@ -1,5 +1,4 @@
 // A dense layer's small bf16 calls as kernels of kernjax's own (models/dense_cuda.py, roadmap K14):
-//
 //   kj_qk_rope   q_norm, k_norm, rope and kv_write as one: qkv's q heads normed and roped into q,
 //                its k heads normed and roped and its v heads into the paged KV state at `slots`
 //   kj_head_norm q_norm or k_norm alone (a cut after it): heads of qkv's columns from `col`, normed
@@ -7,14 +6,14 @@
 //   kj_kv_write  kv_write alone: k and qkv's v heads into the state
 //   kj_add_norm  the residual add and the next RMSNorm: (rms(h + y) * w, h + y)
 //
-// One block a row. The first four run one device code for every head (HeadStep): where a cut falls
-// inside the group, the calls apart give the bits of the group, since each rounds to bf16 where
-// its call's result would and every sum has one fixed order (lane by lane, then a butterfly over
-// the lanes, whose two sides add the same two numbers); no contraction but the sums' explicit FMAs.
+// One block a row. The first four run one device code per head (HeadStep, compiled for each job):
+// where a cut falls inside the group, the calls apart give the group's bits, since each rounds to
+// bf16 where its call's result would and every sum has one fixed order (lane by lane, then a
+// butterfly whose two sides add the same two numbers); no contraction but the sums' explicit FMAs.
 // The math is models/qwen3.py's: RMSNorm in float32 cast to bf16 before the weight, NeoX RoPE with
-// cos and sin cast to bf16, each product and sum of two bf16 rounded once to bf16 (bf16x2 .rn
-// arithmetic), which is XLA's result too: a product of two bf16 is exact in float32, and a sum is
-// exact or its rounding to float32 cannot move its rounding to bf16.
+// cos and sin cast to bf16, each product and sum of two bf16 rounded once to bf16 (bf16x2 .rn), as
+// XLA's float32 route rounds it (a product of two bf16 is exact in float32, a sum exact or rounded
+// where its bf16 rounding cannot move).
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -96,17 +95,17 @@ struct Job {
   long long state_rows;
 };
 
-// A lane's 8 elements of a head (x), normed and roped as its part says. cs, sn: cos and sin at
-// the lane's 8 frequencies, sn negated for the first half (rope's -x2). The norm's sum: each
-// lane's 8 in order, then a butterfly over the head's 16 lanes (both sides add the same two).
-__device__ __forceinline__ uint4 HeadStep(uint4 v, const Part& p, uint4 w, uint4 cs, uint4 sn,
-                                          float eps) {
-  if (p.w) {
-    float x[8];
-    const float ss = SumSquares<16>(v, x);
-    v = Scale(x, rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / kD), eps)), w);
+// A lane's 8 elements of a head, normed, roped and written as its part's flags kP say (1 a norm
+// weight, 2 rope, 4 dst, 8 the state). cs, sn: cos and sin at the lane's 8 frequencies, sn negated
+// for the first half (rope's -x2). The norm's sum: lane by lane, then a butterfly over 16 lanes.
+template <unsigned kP>
+__device__ __forceinline__ void HeadStep(const Job& j, const Part& p, uint4 v, int head, int sub,
+                                         long long row, long long slot, uint4 cs, uint4 sn) {
+  if (kP & 1) {
+    float x[8], ss = SumSquares<16>(v, x);
+    v = Scale(x, rsqrtf(__fadd_rn(__fmul_rn(ss, 1.f / kD), j.eps)), reinterpret_cast<const uint4*>(p.w)[sub]);
   }
-  if (p.rope) {  // x·cos + rot·sin, rot the other half's element (from lane ^ 8)
+  if (kP & 2) {  // x·cos + rot·sin, rot the other half's element (from lane ^ 8)
     const uint4 o = Shfl(v, 8);
     auto* x = reinterpret_cast<B2*>(&v);
     const auto *y = reinterpret_cast<const B2*>(&o), *c = reinterpret_cast<const B2*>(&cs),
@@ -114,37 +113,41 @@ __device__ __forceinline__ uint4 HeadStep(uint4 v, const Part& p, uint4 w, uint4
 #pragma unroll
     for (int i = 0; i < 4; ++i) x[i] = __hadd2_rn(__hmul2_rn(x[i], c[i]), __hmul2_rn(y[i], s[i]));
   }
-  return v;
+  const long long at = head * kD + sub * 8;  // __stwb: one 16-byte store (a plain one was four)
+  if (kP & 4) __stwb(reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + at), v);
+  if ((kP & 8) && slot >= 0)
+    __stwb(reinterpret_cast<uint4*>(j.state + (slot * 2 + p.half) * j.kv_heads * kD + at), v);
 }
 
-// 5 blocks an SM (48 registers: the weights are read after the barrier, from cache, not held in
-// registers across it): 8 % less time than 4 at 8192 rows (experiments/heads_bench.cu, K14).
-__global__ void __launch_bounds__(32 * kWarps, 5) HeadsKernel(Job j) {
+// A kernel for each job's flags (kF: a part's four bits from the low ones), every field read at a
+// fixed offset. 6 blocks an SM (40 registers): kj_qk_rope 0.0540 ms at 8192 rows against 0.0615 for
+// one kernel of every job that read its parts by a run-time index (experiments/heads_bench.cu).
+template <unsigned kF>
+__global__ void __launch_bounds__(32 * kWarps, 6) HeadsKernel(Job j) {
+  constexpr unsigned k0 = kF & 15, k1 = kF >> 4 & 15, k2 = kF >> 8 & 15;
   const int row = blockIdx.x, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int sub = lane % 16, pair = lane / 16;
   __shared__ __align__(16) __nv_bfloat16 cos_s[64], sin_s[64];
   long long slot = -1;
-  if (j.state) {  // jnp's .at[slot]: a negative slot counts from the end; out of range drops
+  if ((k0 | k1 | k2) & 8) {  // jnp's .at[slot]: a negative slot counts from the end; out of range drops
     long long s = j.slots[row];
     s += s < 0 ? j.state_rows : 0;
     slot = s >= 0 && s < j.state_rows ? s : -1;
   }
+  const int e0 = j.part[0].heads / 2, e1 = e0 + (k1 ? j.part[1].heads / 2 : 0),
+            e2 = e1 + (k2 ? j.part[2].heads / 2 : 0);  // the parts' pairs end there
   uint4 v[kPer];
-  int part[kPer], head[kPer];
 #pragma unroll
   for (int b = 0; b < kPer; ++b) {  // the warp's head pairs: all loads first (then the barrier)
-    int s = warp + b * kWarps, k = 0;
-    while (k < j.parts && s >= j.part[k].heads / 2) s -= j.part[k++].heads / 2;
-    part[b] = k, head[b] = 2 * s + pair;
-    if (k < j.parts) {
-      const Part& p = j.part[k];
-      v[b] = *reinterpret_cast<const uint4*>(p.src + row * p.src_stride + p.src_col + head[b] * kD + sub * 8);
-    }
+    const int g = warp + b * kWarps, t = g < e0 ? 0 : g < e1 ? 1 : 2;
+    const int h = 2 * (g - (t == 0 ? 0 : t == 1 ? e0 : e1)) + pair;
+    const __nv_bfloat16* src = t == 0 ? j.part[0].src : t == 1 ? j.part[1].src : j.part[2].src;
+    const long long stride = t == 0 ? j.part[0].src_stride : t == 1 ? j.part[1].src_stride : j.part[2].src_stride;
+    const long long col = t == 0 ? j.part[0].src_col : t == 1 ? j.part[1].src_col : j.part[2].src_col;
+    if (g < e2) v[b] = *reinterpret_cast<const uint4*>(src + row * stride + col + h * kD + sub * 8);
   }
-  bool rope = false;
-  for (int k = 0; k < j.parts; ++k) rope |= j.part[k].rope;
   uint4 cs{}, sn{};
-  if (rope) {  // the row's 64 frequencies, once
+  if ((k0 | k1 | k2) & 2) {  // the row's 64 frequencies, once
     if (threadIdx.x < 64) {
       const float a = __fmul_rn(float(j.positions[row]), j.inv_freq[threadIdx.x]);
       cos_s[threadIdx.x] = __float2bfloat16_rn(cosf(a));
@@ -157,15 +160,10 @@ __global__ void __launch_bounds__(32 * kWarps, 5) HeadsKernel(Job j) {
   }
 #pragma unroll
   for (int b = 0; b < kPer; ++b) {
-    if (part[b] >= j.parts) break;
-    const Part& p = j.part[part[b]];
-    const uint4 w = p.w ? reinterpret_cast<const uint4*>(p.w)[sub] : uint4{};
-    const uint4 out = HeadStep(v[b], p, w, cs, sn, j.eps);
-    // __stwb: one 16-byte store (a plain one of `out` was split into four 4-byte ones)
-    const long long at = head[b] * kD + sub * 8;
-    if (p.dst) __stwb(reinterpret_cast<uint4*>(p.dst + row * p.dst_stride + at), out);
-    if (p.half >= 0 && slot >= 0)
-      __stwb(reinterpret_cast<uint4*>(j.state + (slot * 2 + p.half) * j.kv_heads * kD + at), out);
+    const int g = warp + b * kWarps;
+    if (g < e0) HeadStep<k0>(j, j.part[0], v[b], 2 * g + pair, sub, row, slot, cs, sn);
+    else if (k1 && g < e1) HeadStep<k1>(j, j.part[1], v[b], 2 * (g - e0) + pair, sub, row, slot, cs, sn);
+    else if (k2 && g < e2) HeadStep<k2>(j, j.part[2], v[b], 2 * (g - e1) + pair, sub, row, slot, cs, sn);
   }
 }
 
@@ -206,24 +204,27 @@ long long Rows(const Bf16& x) { return x.dimensions()[0]; }
 long long Width(const Bf16& x) { return x.element_count() / Rows(x); }
 
 ffi::Error Launch(cudaStream_t stream, Job j) {
-  int pairs = 0;
-  for (int k = 0; k < j.parts; ++k) pairs += j.part[k].heads / 2;
+  int pairs = 0, f = 0;  // f: the job's flags (the four handlers below build four kinds)
+  for (int k = 0; k < j.parts; ++k) {
+    const Part& p = j.part[k];
+    pairs += p.heads / 2, f |= (!!p.w | p.rope << 1 | !!p.dst << 2 | (p.half >= 0) << 3) << 4 * k;
+  }
   if (pairs > kWarps * kPer) return ffi::Error::InvalidArgument("dense.cu: more than 128 heads a row");
-  if (j.rows > 0) HeadsKernel<<<j.rows, 32 * kWarps, 0, stream>>>(j);
+  auto* kernel = f == 0x8B7 ? HeadsKernel<0x8B7> : f == 0x5 ? HeadsKernel<0x5>
+               : f == 0x66 ? HeadsKernel<0x66> : f == 0x88 ? HeadsKernel<0x88> : nullptr;
+  if (!kernel) return ffi::Error::Internal("dense.cu: no kernel for this job's parts");
+  if (j.rows > 0) kernel<<<j.rows, 32 * kWarps, 0, stream>>>(j);
   const cudaError_t e = cudaGetLastError();
   return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
 }
 
 Job Rope(Job j, ffi::Buffer<ffi::S32> positions, ffi::Buffer<ffi::F32> inv_freq) {
-  j.positions = positions.typed_data();
-  j.inv_freq = inv_freq.typed_data();
+  j.positions = positions.typed_data(), j.inv_freq = inv_freq.typed_data();
   return j;
 }
 
 Job State(Job j, Bf16& state, ffi::Buffer<ffi::S32> slots, int kv_heads) {
-  j.state = Data(state);
-  j.slots = slots.typed_data();
-  j.kv_heads = kv_heads;
+  j.state = Data(state), j.slots = slots.typed_data(), j.kv_heads = kv_heads;
   j.state_rows = state.element_count() / (2LL * kv_heads * kD);
   return j;
 }

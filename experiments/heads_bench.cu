@@ -11,7 +11,7 @@
 
 #include KJ_DENSE
 #ifndef KJ_BENCH_FN  // the kernel the qk_rope job runs (a variant may name another)
-#define KJ_BENCH_FN HeadsKernel
+#define KJ_BENCH_FN HeadsKernel<0x8B7>
 #endif
 
 #include <cmath>

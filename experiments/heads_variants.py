@@ -4,7 +4,7 @@ compiled with the bench to OUT/<name>/bench (sm_90, nvcc here; no GPU needed to 
 arithmetic is the same in every variant; the bench's hashes say whether the bytes are.
 Results: experiments/results/2026-12-03-h200-heads5/.
 
-    python experiments/heads_variants.py build/hb [A,B4,port,...]   # then on the GPU:
+    python experiments/heads_variants.py build/hb [A,L6,...]   # then on the GPU:
     build/hb/<name>/bench 8192 200
 """
 
@@ -15,29 +15,22 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(HERE, "..", "csrc", "dense.cu")
 
-BOUNDS = ("__launch_bounds__(32 * kWarps, 5) HeadsKernel", "__launch_bounds__(32 * kWarps, {}) HeadsKernel")
-PORT = "4f01eb4"  # HeadsKernel<kF>, a kernel for each job's flags: measured, not yet gated
+BOUNDS = ("__launch_bounds__(32 * kWarps, 6) HeadsKernel", "__launch_bounds__(32 * kWarps, {}) HeadsKernel")
 
 
 def variants():
-    """The kernel as it is (A), at other block budgets, and `port`: the whole dense.cu of commit
-    PORT, read from git, built only when named. The variants measured before (`5823121`'s script: register
-    budgets, static part selection, a lean kernel, its frequencies by warp) are in
-    experiments/results/2026-12-03-h200-heads5/."""
+    """The kernel as it is (A) and at other block budgets. The variants measured before the kernel
+    became one a job's flags (`5823121`'s script: register budgets, static part selection,
+    `heads_lean.cuh`, its frequencies by warp) are in experiments/results/2026-12-03-h200-heads5/."""
     b = lambda n: [(BOUNDS[0], BOUNDS[1].format(n))]
-    return {"A": [], "B4": b(4), "B6": b(6), "port": None}
+    return {"A": [], "B4": b(4), "B5": b(5), "B8": b(8)}
 
 
 def sources(only=None) -> dict:
     """{name: the variant's dense.cu}; each replacement must apply exactly once."""
     text, out = open(SRC).read(), {}
     for name, reps in variants().items():
-        if only and name not in only or reps is None and not only:
-            continue
-        if reps is None:  # the bench times HeadsKernel<kF> for kj_qk_rope's job
-            out[name] = subprocess.check_output(
-                ["git", "-C", HERE, "show", f"{PORT}:csrc/dense.cu"], text=True) + \
-                "#define KJ_BENCH_FN HeadsKernel<0x8B7>\n"
+        if only and name not in only:
             continue
         src = text
         for old, new in reps:
@@ -62,10 +55,9 @@ def main(out, only=None):
                             f'-DKJ_DENSE="{os.path.abspath(os.path.join(d, "dense.cu"))}"',
                             os.path.join(HERE, "heads_bench.cu"), "-o", os.path.join(d, "bench"),
                             "-Xptxas", "-v"], capture_output=True, text=True)
-        kernel = "HeadsKernelILj2231E" if "HeadsKernel<0x8B7>" in src else "HeadsKernel"
         lines, on = [], False  # ptxas's report of the kernel the bench times (kj_qk_rope's job)
         for l in r.stderr.splitlines():
-            on = (kernel in l) if "Function properties" in l or "Compiling" in l else on
+            on = ("HeadsKernelILj2231E" in l) if "Function properties" in l or "Compiling" in l else on
             lines += [l.strip().removeprefix("ptxas info    : ")] if on and ("Used" in l or "spill" in l) else []
         print(name, "rc", r.returncode, "|", " | ".join(lines[:2]), flush=True)
         if r.returncode:
