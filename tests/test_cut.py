@@ -23,7 +23,7 @@ from jax import export
 
 from kernjax.cut import CutError, cut, describe, whole
 from kernjax.stage import export_stage
-from kernjax.trace import Slot, TraceError, call, graph_cuts, trace
+from kernjax.trace import Slot, TraceError, as_function, call, graph_cuts, trace
 
 V = Slot("", "", "float32", (2,))
 
@@ -246,6 +246,11 @@ def test_a_gpu_program_runs_as_three_cuda_graphs(monkeypatch):
     stage = whole(_chain())
     gpu = export_stage(stage, "cuda").mlir_module()
     assert gpu.count("@kj_mark") == 1 and "@kj_mark" not in export_stage(stage, "cpu").mlir_module()
+    # experiments' unconstrained program: no barriers; the same cuts where asked (prefill.py)
+    free = lambda **kw: jax.jit(as_function(stage.jaxpr, "cuda", fences=False, **kw)).trace(  # noqa: E731
+        *[sl.spec() for sl in stage.inputs]).lower(lowering_platforms=("cuda",)).as_text()
+    assert free().count("@kj_mark") == 0 and "optimization_barrier" not in free(cut_graphs=True)
+    assert free(cut_graphs=True).count("@kj_mark") == 1
     monkeypatch.setenv("KERNJAX_GRAPH_CUTS", "0")
     assert "@kj_mark" not in export_stage(stage, "cuda").mlir_module()
 
