@@ -15,7 +15,7 @@ every process of a cut, and compiled programs kept across restarts.
   weights per layer and chunk (18 % of an 8k prefill in chunks of 512, docs/bitwise.md), its
   slices copies too across a call boundary. Off: `--xla_disable_hlo_passes=dot-merger`.
 - **Compiled programs, kept.** JAX's persistent compilation cache (`jax/` under `cache_root()`)
-  holds every program that took over a second to compile: a restarted stage loads it.
+  holds every program (JAX's default keeps those over 1 s only): a restarted stage loads it.
 - **No CUDA graphs for a program of 1024 rows or more** (`compile_options(rows)`): on an H200 a
   whole 4B model's graphs cost it 1.0 ms at 1k and 1.7-2.2 ms at 8k in one chunk, outside the
   GPU's span, and gained 5.7 ms at 8k in chunks of 512, where the host's issue nears the GPU's
@@ -57,10 +57,8 @@ def configure() -> None:
             os.environ.get("JAX_COMPILATION_CACHE_DIR") == inherited:
         del os.environ["JAX_COMPILATION_CACHE_DIR"]
     flags = os.environ.get("XLA_FLAGS", "")
-    if "exclude_nondeterministic_ops" not in flags:
-        flags += " " + UNTIMED
-    if "xla_disable_hlo_passes" not in flags:
-        flags += " --xla_disable_hlo_passes=dot-merger"
+    flags += "" if "exclude_nondeterministic_ops" in flags else " " + UNTIMED
+    flags += "" if "xla_disable_hlo_passes" in flags else " --xla_disable_hlo_passes=dot-merger"
     os.environ["XLA_FLAGS"] = flags.strip()
     jax, cache = sys.modules.get("jax"), ""  # unimported, jax reads the variable
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
@@ -69,6 +67,8 @@ def configure() -> None:
         cache = os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / "jax")
     elif jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", str(cache_root() / "jax"))
+    if os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0") == "0" and jax:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # every program kept
     os.environ["KERNJAX_XLA_SET"] = cache
 
 

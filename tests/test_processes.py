@@ -119,7 +119,8 @@ def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
     """What a kernjax parent set for its cache is inherited, not chosen: a child given a cache of
     its own (`KERNJAX_XLA_CACHE`) uses it, one not given one keeps the parent's, and what the user
     set stays, its XLA flags too (importing kernjax imports no jax: a fraction of a second)."""
-    keys = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "KERNJAX_XLA_SET")
+    keys = ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR", "KERNJAX_XLA_SET",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     base = {k: v for k, v in os.environ.items() if k not in keys}
 
     def child(cache, **env):
@@ -141,3 +142,7 @@ def test_a_child_process_keeps_its_own_xla_cache_and_the_users(tmp_path):
     user = parent | {"XLA_FLAGS": timed, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "uj")}
     got = child("c", **user)
     assert uses(got, "uj", timed) and xla.UNTIMED not in got["XLA_FLAGS"], got
+    # every program kept, a stage's too (under JAX's 1 s), unless the user chose a threshold
+    assert parent["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "0", parent
+    kept = child("c", **parent | {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "5"})
+    assert kept["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] == "5", kept
