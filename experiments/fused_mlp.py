@@ -15,13 +15,24 @@ Prints ms per row count and tiling (`model` is `mlp_hopper.tiling`'s choice), `f
 split = whole), whether the GEMM's gate and up are cuBLASLt's bit for bit, and whether `fused` is
 XLA's compile of `silu_mul_f32` on cuBLASLt's gate and up.
 
+`--epilogues` (roadmap K15's question: is the epilogue what keeps the fused GEMM at ~715
+TFLOP/s in the program, against ~765 for cuBLAS's down_proj?) times each tiling with other
+epilogues, patched into `mlp_hopper.gemm` for the run only (the model's kernel is `exact`):
+`bare` writes the bf16 gate alone (no silu·mul arithmetic: the epilogue's floor); `approx`
+the same `silu_mul_f32` under Mosaic GPU's `approx_math` (exp as `ex2.approx`); `tanh`
+silu(g) = g·(0.5·tanh(g/2) + 0.5) under `approx_math` (`tanh.approx`, no division). `bare`,
+`approx` and `tanh` change the bits (`fused = apart` compares with `silu_mul_kernel`, which
+stays exact): they measure, they are not candidates until fused and apart share them.
+
     python experiments/fused_mlp.py --rows 512,2048,8192
+    python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,bare,approx,tanh
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -32,9 +43,36 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gemms import fenced, timed  # noqa: E402  (a call's barriers; median ms of rounds)
+from models import mlp_hopper  # noqa: E402
 from models.mlp_hopper import gemm, silu_mul_f32, silu_mul_kernel, tiling  # noqa: E402
 
 D, F = 2560, 9728  # qwen3-4b: hidden, MLP
+
+
+def _tanh_silu_mul(g, u):
+    g32 = g.astype(jnp.float32)
+    return (g32 * (0.5 * jnp.tanh(0.5 * g32) + 0.5) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+# name: (the epilogue's silu·mul, Mosaic GPU's approx_math)
+EPILOGUES = {"exact": (silu_mul_f32, False), "bare": (lambda g, u: g, False),
+             "approx": (silu_mul_f32, True), "tanh": (_tanh_silu_mul, True)}
+
+
+@contextlib.contextmanager
+def epilogue(name: str):
+    """`mlp_hopper.gemm` with EPILOGUES[name] for the block (its module global and the
+    CompilerParams it builds); the model's kernel again after."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    fn, approx = EPILOGUES[name]
+    params, own = plgpu.CompilerParams, mlp_hopper.silu_mul_f32
+    mlp_hopper.silu_mul_f32 = fn
+    plgpu.CompilerParams = functools.partial(params, approx_math=approx)
+    try:
+        yield
+    finally:
+        mlp_hopper.silu_mul_f32, plgpu.CompilerParams = own, params
 
 
 def config(text: str) -> tuple[str, dict]:
@@ -63,6 +101,8 @@ def main() -> None:
                          "above the other (M, the default); tiles ordered by plgpu.planar_snake "
                          "along `minor` (M or N, default N), `width` tiles wide (default 1); "
                          "`model`: mlp_hopper.tiling's for the rows")
+    ap.add_argument("--epilogues", default="exact",
+                    help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")
     ap.add_argument("--lower", action="store_true", help="lower the kernels only (a CPU can)")
     a = ap.parse_args()
     from models.qwen3 import linear, silu_mul as model_silu_mul
@@ -84,28 +124,32 @@ def main() -> None:
         ref = None if a.lower else np.asarray(xla(x, wg, wu), np.float32)
         gu_xla = None if a.lower else gate_up(x, wg, wu)  # cuBLASLt's, untimed
         own_silu = None if a.lower else jax.jit(fenced(silu_mul_f32))(*gu_xla)
+        if not a.lower:
+            silu_k(*gu_xla)  # traced here, exact: `apart` keeps the model's epilogue under any
         t_xla = None if a.lower else timed(xla, (x, wg, wu), a.iters)
-        for name, kw in (("model", tiling(rows)) if c == "model" else config(c)
-                         for c in a.tiles.split(";")):
+        for (name, kw), epi in ((("model", tiling(rows)) if c == "model" else config(c), e)
+                                for c in a.tiles.split(";") for e in a.epilogues.split(",")):
+            name += "" if epi == "exact" else f" {epi}"
             w = (wg, wu)
             fused = jax.jit(functools.partial(gemm, fused=True, **kw))
             apart_gemm = jax.jit(functools.partial(gemm, fused=False, **kw))
             apart = lambda x, *w: silu_k(*apart_gemm(x, *w))  # noqa: E731
-            try:
-                if a.lower:
-                    S = jax.ShapeDtypeStruct
-                    gu = [S((rows, F), jnp.bfloat16)] * 2
-                    texts = [for_h200(f, *args) for f, args in [
-                        (fused, (x, *w)), (apart_gemm, (x, *w)), (silu_mul_kernel, gu)]]
-                    assert all("mosaic_gpu" in t for t in texts)
-                    print(f"| {rows} | {name} | lowered for an H200 | | | | | | | |", flush=True)
+            with epilogue(epi):  # each kernel traced with the variant, then the model's
+                try:
+                    if a.lower:
+                        S = jax.ShapeDtypeStruct
+                        gu = [S((rows, F), jnp.bfloat16)] * 2
+                        texts = [for_h200(f, *args) for f, args in [
+                            (fused, (x, *w)), (apart_gemm, (x, *w)), (silu_mul_kernel, gu)]]
+                        assert all("mosaic_gpu" in t for t in texts)
+                        print(f"| {rows} | {name} | lowered for an H200 | | | | | | | |", flush=True)
+                        continue
+                    out_f, out_a = fused(x, *w)[0], apart(x, *w)
+                    t_f, t_a = timed(fused, (x, *w), a.iters), timed(apart, (x, *w), a.iters)
+                except Exception as e:  # a tiling that does not fit: say so, go on
+                    print(f"| {rows} | {name} | {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]} "
+                          "| | | | | | | |", flush=True)
                     continue
-                out_f, out_a = fused(x, *w)[0], apart(x, *w)
-                t_f, t_a = timed(fused, (x, *w), a.iters), timed(apart, (x, *w), a.iters)
-            except Exception as e:  # a tiling that does not fit: say so, go on
-                print(f"| {rows} | {name} | {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]} "
-                      "| | | | | | | |", flush=True)
-                continue
             f32 = np.asarray(out_f, np.float32)
             diff = float(np.max(np.abs(f32 - ref)))
             bits = lambda *v: b"".join(np.asarray(t).tobytes() for t in v)  # noqa: E731

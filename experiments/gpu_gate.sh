@@ -41,7 +41,8 @@
 #              (512,8192), on weights laid out as $AUTOTUNE_LAYOUTS (oi: [out, in]; io: [in, out])
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
-#              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13
+#              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13;
+#              $FUSED_EPILOGUES (exact,bare,approx,tanh): the epilogue's cost (roadmap K15)
 #   dense      experiments/dense_calls.py: q_norm, k_norm, rope and kv_write as csrc/dense.cu's one
 #              kernel and apart, and add_norm's kernel, against XLA's, at $DENSE_ROWS: roadmap K14
 #   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
@@ -444,6 +445,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   fusedmlp)
     log "gate/up with silu·mul in a GEMM's epilogue, against the calls and apart (roadmap K13)"
     python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
+      ${FUSED_EPILOGUES:+--epilogues "$FUSED_EPILOGUES"} \
       > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
   dense)

@@ -635,6 +635,16 @@ def test_fused_mlp_reads_its_tilings_and_its_kernels_lower_for_an_h200():
                      (functools.partial(fused_mlp.gemm, fused=True, **wgs_m), (x, w, w)),
                      (fused_mlp.silu_mul_kernel, [S((256, fused_mlp.F), jnp.bfloat16)] * 2)]:
         assert "mosaic_gpu" in fused_mlp.for_h200(fn, *args)
+    # `--epilogues` (roadmap K15's question): each variant lowers to a kernel of its own, and the
+    # model's epilogue is back after each
+    fused = lambda: fused_mlp.for_h200(functools.partial(  # noqa: E731
+        fused_mlp.gemm, fused=True, **wgs_n), x, w, w)
+    texts = {}
+    for epi in [*fused_mlp.EPILOGUES, "exact"]:
+        with fused_mlp.epilogue(epi):
+            texts.setdefault(epi, set()).add(fused())
+    assert all(len(t) == 1 for t in texts.values()) and len(set.union(*texts.values())) == 4
+    assert fused() in texts["exact"] and fused_mlp.mlp_hopper.silu_mul_f32 is fused_mlp.silu_mul_f32
 
 
 def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_ulp():
