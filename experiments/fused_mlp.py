@@ -20,9 +20,10 @@ TFLOP/s in the program, against ~765 for cuBLAS's down_proj?) times each tiling 
 epilogues, patched into `mlp_hopper.gemm` for the run only (the model's kernel is `exact`):
 `bare` writes the bf16 gate alone (no silu·mul arithmetic: the epilogue's floor); `approx`
 the same `silu_mul_f32` under Mosaic GPU's `approx_math` (exp as `ex2.approx`); `tanh`
-silu(g) = g·(0.5·tanh(g/2) + 0.5) under `approx_math` (`tanh.approx`, no division). `bare`,
-`approx` and `tanh` change the bits (`fused = apart` compares with `silu_mul_kernel`, which
-stays exact): they measure, they are not candidates until fused and apart share them.
+`mlp_hopper.tanh_silu_mul_f32`, g·(0.5·tanh(g/2) + 0.5)·u under `approx_math` (`tanh.approx`,
+no division), which the model runs with `KERNJAX_MLP_EPILOGUE=tanh`. The variants change the
+bits; `fused = apart` compares with `silu_mul_kernel` traced exact, so it says True for `exact`
+only (the program's fused = apart under `tanh` is the chain gate's, run with the variable set).
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,bare,approx,tanh
@@ -49,30 +50,21 @@ from models.mlp_hopper import gemm, silu_mul_f32, silu_mul_kernel, tiling  # noq
 D, F = 2560, 9728  # qwen3-4b: hidden, MLP
 
 
-def _tanh_silu_mul(g, u):
-    g32 = g.astype(jnp.float32)
-    return (g32 * (0.5 * jnp.tanh(0.5 * g32) + 0.5) * u.astype(jnp.float32)).astype(g.dtype)
-
-
-# name: (the epilogue's silu·mul, Mosaic GPU's approx_math)
+# name: (the epilogue's silu·mul, Mosaic GPU's approx_math), as `mlp_hopper.epilogue()` gives
 EPILOGUES = {"exact": (silu_mul_f32, False), "bare": (lambda g, u: g, False),
-             "approx": (silu_mul_f32, True), "tanh": (_tanh_silu_mul, True)}
+             "approx": (silu_mul_f32, True), "tanh": (mlp_hopper.tanh_silu_mul_f32, True)}
 
 
 @contextlib.contextmanager
 def epilogue(name: str):
-    """`mlp_hopper.gemm` with EPILOGUES[name] for the block (its module global and the
-    CompilerParams it builds); the model's kernel again after."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    fn, approx = EPILOGUES[name]
-    params, own = plgpu.CompilerParams, mlp_hopper.silu_mul_f32
-    mlp_hopper.silu_mul_f32 = fn
-    plgpu.CompilerParams = functools.partial(params, approx_math=approx)
+    """`mlp_hopper.gemm` (and `silu_mul_kernel`, traced inside) with EPILOGUES[name] for the
+    block; `mlp_hopper.epilogue` again after (`exact` and `tanh` are its own choices too)."""
+    own = mlp_hopper.epilogue
+    mlp_hopper.epilogue = lambda: EPILOGUES[name]
     try:
         yield
     finally:
-        mlp_hopper.silu_mul_f32, plgpu.CompilerParams = own, params
+        mlp_hopper.epilogue = own
 
 
 def config(text: str) -> tuple[str, dict]:

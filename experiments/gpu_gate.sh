@@ -68,6 +68,9 @@
 #              8k prefill in one chunk back to back and after 3 s idle, and the attention kernel
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
+#   ab         experiments/prefill.py's 8k row in one chunk (kernjax, 15 runs) under each value of
+#              $AB_VAR (KERNJAX_MLP_EPILOGUE) in $AB_VALUES ("exact tanh"), $AB_ROUNDS (3) rounds
+#              alternated on one machine; each run's README under $OUT/ab/<value><round>/
 #   (chain: $ATS picks cut points, default "18 c221 c226 c227 12,24": c221 inside K14's group; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
 #              rows of $PROFILE (8192; empty: none) profiled and their kernjax programs compiled
@@ -533,6 +536,17 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       > "$OUT/logs/prefill.log" 2>&1
     mkdir -p "$OUT/logs/profiles" && mv "$OUT"/prefill/profile-*.json "$OUT/logs/profiles/" 2>/dev/null
     tail -40 "$OUT/logs/prefill.log" | say ;;
+  ab)
+    # one environment variable's values in the program, alternated on one machine (the rule of
+    # docs/lessons.md for a compute-bound change): 8k in one chunk, kernjax alone, 15 runs each
+    for r in $(seq 1 "${AB_ROUNDS:-3}"); do
+      for v in ${AB_VALUES:-exact tanh}; do
+        env "${AB_VAR:-KERNJAX_MLP_EPILOGUE}=$v" python experiments/prefill.py --out "$OUT/ab/$v$r" \
+          --profile '' --second_start '' --systems kernjax --prompts 8192 --chunks whole --iters 15 \
+          > "$OUT/logs/ab-$v$r.log" 2>&1 || echo "prefill.py: exit $?" >> "$OUT/logs/ab-$v$r.log"
+        echo "${AB_VAR:-KERNJAX_MLP_EPILOGUE}=$v round $r: $(grep -E '^\| kernjax \| 8192' "$OUT/ab/$v$r/README.md" | head -1)" | say
+      done
+    done ;;
   *) echo "unknown step $step" | say ;;
   esac
 done

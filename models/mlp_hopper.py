@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,23 @@ def silu_mul_f32(g, u):
     epilogue and the kernel apart both run."""
     g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
     return (g32 / (1.0 + jnp.exp(-g32)) * u32).astype(g.dtype)
+
+
+def tanh_silu_mul_f32(g, u):
+    """silu(g)·u as g·(0.5·tanh(g/2) + 0.5)·u in float32, rounded once: with Mosaic GPU's
+    `approx_math`, one `tanh.approx` an element and no division (roadmap K15, an A/B only)."""
+    g32 = g.astype(jnp.float32)
+    return (g32 * (0.5 * jnp.tanh(0.5 * g32) + 0.5) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+def epilogue() -> tuple:
+    """(silu·mul, approx_math) that the fused GEMM's epilogue and `silu_mul_kernel` both run:
+    `silu_mul_f32`, exact, unless `KERNJAX_MLP_EPILOGUE=tanh` (an A/B knob for roadmap K15; it
+    changes the bits, so every process of a cut must see the same value)."""
+    name = os.environ.get("KERNJAX_MLP_EPILOGUE", "exact")
+    if name not in ("exact", "tanh"):
+        raise ValueError(f"KERNJAX_MLP_EPILOGUE={name!r}: give exact (the default) or tanh")
+    return (silu_mul_f32, False) if name == "exact" else (tanh_silu_mul_f32, True)
 
 
 def tiling(rows: int) -> dict:
@@ -95,6 +113,7 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     out_tr = (plgpu.TilingTransform((8, out_swz // 2)), plgpu.SwizzleTransform(out_swz))
     m_tiles, n_tiles = m // cta_m, f // cta_n
     outs = 1 if fused else 2
+    silu_mul, approx = epilogue()
 
     def body(x_gmem, g_gmem, u_gmem, *out_gmem):
         def pipeline(step, context):
@@ -136,7 +155,7 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
                         for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
                             at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
                             g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)
-                            for o, part in enumerate([silu_mul_f32(g, u)] if fused else [g, u]):
+                            for o, part in enumerate([silu_mul(g, u)] if fused else [g, u]):
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = part
                                 plgpu.commit_smem()
@@ -163,16 +182,17 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
         body, out_type=[jax.ShapeDtypeStruct((m, f), x.dtype)] * outs,
         grid=(sm_count(),), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup))(x, wg, wu)
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx))(x, wg, wu)
 
 
 def silu_mul_kernel(g, u, *, block=(64, 128)):
-    """`silu_mul_f32` over [M, F] bf16 g and u as a Mosaic GPU kernel of its own: each SM
-    pipelines its share of the blocks through shared memory."""
+    """`silu_mul_f32` (the `epilogue()` the fused GEMM runs) over [M, F] bf16 g and u as a
+    Mosaic GPU kernel of its own: each SM pipelines its share of the blocks through shared memory."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     m, n = g.shape
+    silu_mul, approx = epilogue()
     spec = pl.BlockSpec(block, lambda i, j: (i, j))
     grid = min(sm_count(), m // block[0])
     per = -(-(m // block[0]) // grid)  # block rows per SM
@@ -181,15 +201,16 @@ def silu_mul_kernel(g, u, *, block=(64, 128)):
         sm = lax.axis_index("sm")
 
         def step(_, g_smem, u_smem, o_smem):
-            o_smem[...] = silu_mul_f32(g_smem[...], u_smem[...])
+            o_smem[...] = silu_mul(g_smem[...], u_smem[...])
 
         rows = pl.ds(jnp.minimum(sm * per, m // block[0] - per) * block[0], per * block[0])
         plgpu.emit_pipeline(step, grid=(per, n // block[1]), in_specs=[spec, spec],
                             out_specs=[spec], max_concurrent_steps=2)(
             g_gmem.at[rows], u_gmem.at[rows], o_gmem.at[rows])
 
+    params = {"compiler_params": plgpu.CompilerParams(approx_math=True)} if approx else {}
     return plgpu.kernel(body, out_type=jax.ShapeDtypeStruct((m, n), g.dtype),
-                        grid=(grid,), grid_names=("sm",))(g, u)
+                        grid=(grid,), grid_names=("sm",), **params)(g, u)
 
 
 # The calls' GPU lowerings (kernjax.trace.on_gpu): None keeps XLA's, for shapes that do not fit.

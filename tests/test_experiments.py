@@ -644,7 +644,7 @@ def test_fused_mlp_reads_its_tilings_and_its_kernels_lower_for_an_h200():
         with fused_mlp.epilogue(epi):
             texts.setdefault(epi, set()).add(fused())
     assert all(len(t) == 1 for t in texts.values()) and len(set.union(*texts.values())) == 4
-    assert fused() in texts["exact"] and fused_mlp.mlp_hopper.silu_mul_f32 is fused_mlp.silu_mul_f32
+    assert fused() in texts["exact"] and fused_mlp.mlp_hopper.epilogue() == fused_mlp.EPILOGUES["exact"]
 
 
 def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_ulp():
