@@ -55,7 +55,8 @@ def tanh_silu_mul_f32(g, u):
 def epilogue() -> tuple:
     """(silu·mul, approx_math) that the fused GEMM's epilogue and `silu_mul_kernel` both run:
     `silu_mul_f32`, exact, unless `KERNJAX_MLP_EPILOGUE=tanh` (an A/B knob for roadmap K15; it
-    changes the bits, so every process of a cut must see the same value)."""
+    changes the bits, so every process of a cut must see the same value). Read when a kernel is
+    traced, and jit keeps what it traced: set it before the process traces a program."""
     name = os.environ.get("KERNJAX_MLP_EPILOGUE", "exact")
     if name not in ("exact", "tanh"):
         raise ValueError(f"KERNJAX_MLP_EPILOGUE={name!r}: give exact (the default) or tanh")

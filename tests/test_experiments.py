@@ -721,3 +721,16 @@ def test_heads_variants_still_apply_to_the_kernel_in_csrc(monkeypatch):
     monkeypatch.setattr(heads_variants, "SRC", os.devnull)  # a kernel the variants do not fit
     with pytest.raises(ValueError, match="variant B4: .* 0 times, not once: update the variant"):
         heads_variants.sources(["B4"])
+
+
+def test_mosaic_modules_are_compared_without_their_lines_and_counters(monkeypatch):
+    """`experiments/mosaic_modules.py`: a kernel lowered twice in one process reads the same
+    (no source lines, no lowering counter), and the epilogue knob moves the kernels it changes."""
+    import mosaic_modules
+
+    a, b = mosaic_modules.kernels(512), mosaic_modules.kernels(512)
+    assert a == b and all(len(v) == 1 for v in a.values())
+    assert "loc(" not in a["fused"][0] and "dump_basename" not in a["fused"][0]
+    monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "tanh")
+    c = mosaic_modules.kernels(512)
+    assert c["fused"] != a["fused"] and c["silu_mul"] != a["silu_mul"]
