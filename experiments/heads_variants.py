@@ -4,7 +4,7 @@ compiled with the bench to OUT/<name>/bench (sm_90, nvcc here; no GPU needed to 
 arithmetic is the same in every variant; the bench's hashes say whether the bytes are.
 Results: experiments/results/2026-12-03-h200-heads5/.
 
-    python experiments/heads_variants.py build/hb [A,L6,...]   # then on the GPU:
+    python experiments/heads_variants.py build/hb [A,B4,...]   # then on the GPU:
     build/hb/<name>/bench 8192 200
 """
 
