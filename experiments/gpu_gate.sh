@@ -127,7 +127,7 @@
 # (experiments/results/2026-12-01-h200-322ffd3-gates/: A 339 s, B 303 s) and at `6cb5e73`
 # (one H200, 2026-12-01, experiments/results/2026-12-01-h200-6cb5e73/: A 386 s, B with the 8k
 # prefill rows 438 s, `variant` 283-293 s); rerun them after any change to models/,
-# kernjax/ or csrc/ (for the attention kernel alone, `python experiments/same_kernel.py REV` says
+# kernjax/ or csrc/ (for the Mosaic kernels alone, attention and MLP, `python experiments/same_kernel.py REV` says
 # whether the tree compiles the same Mosaic module as REV did). Attention schedules tried against
 # the default (`pingpong`, the turns one way at named barriers since `6cb5e73`), all slower, each
 # beside it in one call (experiments/results/2026-12-01-h200-kernel-variants/): queue (P_t V_t

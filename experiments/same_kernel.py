@@ -1,11 +1,13 @@
-"""Whether the Hopper attention kernel's Mosaic GPU module at a commit and in the tree are the same.
+"""Whether kernjax's Mosaic GPU kernels at a commit and in the tree are the same.
 
-The GPU gates ran at some commit; a later change to `models/attention_hopper.py` (an experimental
-option, a comment, a moved line) may leave the kernel the default path compiles untouched. This
-lowers `chunk_attention` for an H200 on this machine (no GPU needed: an abstract device) from both
-versions of the file, for each config, and compares the Mosaic modules without their debug
-locations (which follow the source lines). Same module, same kernel: the gates at REV still hold
-for it. Exit status 0: every config the same; 1: one differs; 2: no such file at REV.
+The GPU gates ran at some commit; a later change to `models/attention_hopper.py` or
+`models/mlp_hopper.py` (an experimental option, a comment, a moved line) may leave the kernels the
+default path compiles untouched. This lowers them for an H200 on this machine (no GPU needed: an
+abstract device) from both versions of each file, the Hopper attention kernel for each config and
+the MLP's fused GEMM, GEMM apart and silu·mul kernel at 512, 2048 and 8192 rows, and compares the
+Mosaic modules without their debug locations (which follow the source lines) and without
+`dump_basename` (a count of the process's lowerings). Same module, same kernel: the gates at REV
+still hold for it. Exit status 0: every kernel the same; 1: one differs; 2: no such file at REV.
 
     python experiments/same_kernel.py 614aef7
 """
@@ -13,13 +15,17 @@ for it. Exit status 0: every config the same; 1: one differs; 2: no such file at
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
+import re
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+import jax
 import jax.experimental.mosaic.gpu as mgpu
+import jax.numpy as jnp
 from jax._src.interpreters import mlir as jmlir
 from jax._src.lib.mlir import ir
 
@@ -27,6 +33,7 @@ from kernjax.models import attention_hopper
 
 REPO = Path(__file__).resolve().parents[1]
 PATH = "models/attention_hopper.py"
+MLP = "models/mlp_hopper.py"
 CONFIGS = {"default": {}, "default, 2048 rows": {"rows": 2048},
            "overlap, turns": attention_hopper.VARIANTS["overlap-turns"]}
 
@@ -38,11 +45,8 @@ def _load(path: Path):
     return mod
 
 
-def mosaic_module(mod, rows: int = 512, **kw) -> str:
-    """The kernel's Mosaic GPU module as text, without debug locations: `mod` (a version of
-    models/attention_hopper.py) lowered for an H200 by the tree's `lower_for_h200`."""
-    hlo = attention_hopper.lower_for_h200(rows, fn=mod.chunk_attention, **kw).compiler_ir(
-        "stablehlo")
+def modules_of(lowered) -> list[str]:
+    """The Mosaic GPU modules in a lowered program, as text without debug locations."""
     found = []
 
     def walk(op):
@@ -55,36 +59,68 @@ def mosaic_module(mod, rows: int = 512, **kw) -> str:
                             found.append(ir.StringAttr(config["module"]).value_bytes)
                     walk(o)
 
-    walk(hlo.operation)
-    if len(found) != 1:
-        raise SystemExit(f"expected one Mosaic GPU module, found {len(found)}")
+    walk(lowered.compiler_ir("stablehlo").operation)
     with jmlir.make_ir_context() as ctx:
         mgpu.dialect.register_dialect(ctx)  # its types; the serialized ops' dialect stays
         ctx.allow_unregistered_dialects = True  # unregistered, and prints as it came
-        return ir.Module.parse(found[0]).operation.get_asm(enable_debug_info=False)
+        return [re.sub(r'mosaic_gpu.dump_basename = "[^"]*"', "",
+                       ir.Module.parse(m).operation.get_asm(enable_debug_info=False)) for m in found]
+
+
+def mosaic_module(mod, rows: int = 512, **kw) -> str:
+    """The attention kernel's Mosaic GPU module as text, without debug locations: `mod` (a
+    version of models/attention_hopper.py) lowered for an H200 by the tree's `lower_for_h200`."""
+    found = modules_of(attention_hopper.lower_for_h200(rows, fn=mod.chunk_attention, **kw))
+    if len(found) != 1:
+        raise SystemExit(f"expected one Mosaic GPU module, found {len(found)}")
+    return found[0]
+
+
+def mlp_modules(mod, rows: int) -> dict:
+    """{kernel: module text} of `mod` (a version of models/mlp_hopper.py) at qwen3-4b's MLP
+    shapes: the fused GEMM, the GEMM writing gate and up, the silu·mul kernel apart."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, w, g = S((rows, 2560), bf), S((9728, 2560), bf), S((rows, 9728), bf)
+    gemm = lambda fused: functools.partial(mod.gemm, fused=fused, **mod.tiling(rows))  # noqa: E731
+    return {name: "\n".join(modules_of(attention_hopper.on_h200(lambda *a: fn(*a), *args)))
+            for name, fn, args in [("fused", gemm(True), (x, w, w)),
+                                   ("gate_up", gemm(False), (x, w, w)),
+                                   ("silu_mul", mod.silu_mul_kernel, (g, g))]}
+
+
+def _at(rev: str, path: str, d: str):
+    """`path` at `rev` loaded as a module of its own, or None (said why) where it is not there."""
+    try:
+        old = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{path}"], check=True,
+                             capture_output=True, text=True).stdout
+    except subprocess.CalledProcessError as e:
+        print(f"same_kernel: no {path} at {rev!r}: {e.stderr.strip()}", file=sys.stderr)
+        return None
+    (Path(d) / Path(path).name).write_text(old)
+    return _load(Path(d) / Path(path).name)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("rev", help="the commit to compare the tree's kernel with")
+    ap.add_argument("rev", help="the commit to compare the tree's kernels with")
     a = ap.parse_args()
-    try:
-        old = subprocess.run(["git", "-C", str(REPO), "show", f"{a.rev}:{PATH}"], check=True,
-                             capture_output=True, text=True).stdout
-    except subprocess.CalledProcessError as e:
-        print(f"same_kernel: no {PATH} at {a.rev!r}: {e.stderr.strip()}", file=sys.stderr)
-        return 2
+    differ = 0
     with tempfile.TemporaryDirectory() as d:
-        (Path(d) / "attention_hopper.py").write_text(old)
-        then, now = _load(Path(d) / "attention_hopper.py"), _load(REPO / PATH)
-        differ = 0
-        for name, kw in CONFIGS.items():
+        then, then_mlp = _at(a.rev, PATH, d), _at(a.rev, MLP, d)
+        if then is None or then_mlp is None:
+            return 2
+        now, now_mlp = _load(REPO / PATH), _load(REPO / MLP)
+        pairs = [(name, functools.partial(mosaic_module, then, **kw),
+                  functools.partial(mosaic_module, now, **kw)) for name, kw in CONFIGS.items()]
+        pairs += [(f"MLP, {rows} rows", functools.partial(mlp_modules, then_mlp, rows),
+                   functools.partial(mlp_modules, now_mlp, rows)) for rows in (512, 2048, 8192)]
+        for name, before, after in pairs:
             try:
-                before = mosaic_module(then, **kw)
+                old = before()
             except TypeError as e:  # an option the file did not have then
                 print(f"{name}: not at {a.rev} ({e})")
                 continue
-            same = before == mosaic_module(now, **kw)
+            same = old == after()
             differ += not same
             print(f"{name}: {'the same module' if same else 'DIFFERENT'} at {a.rev} and in the tree")
     return 1 if differ else 0

@@ -501,6 +501,24 @@ def test_same_kernel_sees_through_moved_lines_and_not_through_a_changed_kernel(t
     assert same_kernel.mosaic_module(now, named=False) != default
 
 
+def test_same_kernel_compares_the_mlp_kernels_and_sees_the_epilogue_knob(tmp_path, monkeypatch):
+    """experiments/same_kernel.py on models/mlp_hopper.py: its three kernels lowered twice (the
+    source moved down, and in one process after other lowerings) are the same modules; the
+    epilogue knob (`KERNJAX_MLP_EPILOGUE=tanh`) changes the two that run silu·mul."""
+    import same_kernel
+
+    moved = tmp_path / "mlp_hopper.py"
+    moved.write_text("# a line\n" + (REPO / same_kernel.MLP).read_text())
+    now, then = same_kernel._load(REPO / same_kernel.MLP), same_kernel._load(moved)
+    default = same_kernel.mlp_modules(now, 512)
+    assert sorted(default) == ["fused", "gate_up", "silu_mul"]
+    assert all("loc(" not in t and "dump_basename" not in t for t in default.values())
+    assert same_kernel.mlp_modules(then, 512) == default
+    monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "tanh")
+    tanh = same_kernel.mlp_modules(now, 512)
+    assert tanh["fused"] != default["fused"] and tanh["silu_mul"] != default["silu_mul"]
+
+
 def test_turns_model_passes_the_kernels_schedules_and_catches_a_broken_handover():
     """experiments/turns_model.py: the schedules' barrier sequences run under random
     interleavings without a deadlock or a misused named barrier; a schedule whose warpgroup 0
@@ -722,15 +740,3 @@ def test_heads_variants_still_apply_to_the_kernel_in_csrc(monkeypatch):
     with pytest.raises(ValueError, match="variant B4: .* 0 times, not once: update the variant"):
         heads_variants.sources(["B4"])
 
-
-def test_mosaic_modules_are_compared_without_their_lines_and_counters(monkeypatch):
-    """`experiments/mosaic_modules.py`: a kernel lowered twice in one process reads the same
-    (no source lines, no lowering counter), and the epilogue knob moves the kernels it changes."""
-    import mosaic_modules
-
-    a, b = mosaic_modules.kernels(512), mosaic_modules.kernels(512)
-    assert a == b and all(len(v) == 1 for v in a.values())
-    assert "loc(" not in a["fused"][0] and "dump_basename" not in a["fused"][0]
-    monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "tanh")
-    c = mosaic_modules.kernels(512)
-    assert c["fused"] != a["fused"] and c["silu_mul"] != a["silu_mul"]
