@@ -15,9 +15,9 @@ median is the time to first token.
   kernjax-2stages         the same program `cut.cut` at a layer boundary (`--at`, default 18, or
                           the middle layer for smaller models), the stages run back to back per
                           chunk, stage 0's departures are stage 1's arrivals
-  kernjax-unconstrained   the same program's jaxpr as `trace.as_function(fences=False,
-                          cut_graphs=True)`: every call inlined bare (kernjax's own kernels
-                          too), no barriers, the whole program's CUDA graph cuts, jitted
+  kernjax-unconstrained   the same program's jaxpr as `trace.as_function(fences=False)`: every
+                          call inlined bare (kernjax's own kernels and CUDA graph cuts too), no
+                          barriers, jitted
   jax-plain               a plain JAX Qwen3 forward (written below), attention through
                           `jax.nn.dot_product_attention(is_causal=True, implementation='cudnn')`;
                           one pass only (chunk >= S), since the public is_causal mask is top-left
@@ -376,8 +376,7 @@ class Unconstrained(JaxSystem):
         program, t_trace = self._program(rows, ctx)
         inputs, outputs = program.inputs, [(o.name, o.role) for o in program.outputs]
         leaf = [n for n, _ in outputs].index("next_token")
-        fn = as_function(program.jaxpr, export.default_export_platform(), fences=False,  # cuda
-                         cut_graphs=True)  # the whole program's graphs: only the barriers differ
+        fn = as_function(program.jaxpr, export.default_export_platform(), fences=False)  # cuda
         compiled, times = _compile(fn, [sl.spec() for sl in inputs], rows, _donate(inputs),
                                    (leaf, 1))
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))],
@@ -848,10 +847,10 @@ class Results:
                   f"{d.get('cut_points', '?')}), each stage exported and jitted with its states "
                   "donated, run back to back in this process per chunk.",
                   "- kernjax-unconstrained: the same program's jaxpr as `trace.as_function(jaxpr, "
-                  "platform, fences=False, cut_graphs=True)`, jitted directly: every call's body inlined bare, "
+                  "platform, fences=False)`, jitted directly: every call's body inlined bare, "
                   "kernjax's own kernels (`on_gpu`) in place, no barriers (XLA may fuse across "
-                  "calls), the whole program's CUDA graph cuts (`cut_graphs=True`, since "
-                  "2026-12-04: host work, no kernel), so that the two differ by the barriers only.",
+                  "calls), the whole program's CUDA graph cuts (since 2026-12-04: host work, "
+                  "no kernel), so that the two differ by the barriers only.",
                   "- jax-plain: a plain JAX Qwen3 (no paging, dense per-layer KV `[S, KV, D]` "
                   "returned as the cache), attention `jax.nn.dot_product_attention(is_causal=True, "
                   f"implementation={d.get('plain_attention', 'cudnn')!r})`. Only one-pass rows: the "

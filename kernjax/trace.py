@@ -117,7 +117,7 @@ def on_gpu(*names: str, rule: bool = False) -> Callable:
 _jit = functools.cache(lambda fn: jax.jit(fn, inline=jax.Inline.JAX_LATE))
 
 
-def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences=True, cut_graphs=None) -> Callable:
+def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) -> Callable:
     """A program's (or a stage's) jaxpr as a function to jit and export for `platform`.
 
     On the CPU the jaxpr runs as it is, but for the state updates `_on_cpu` inlines. On a GPU
@@ -125,9 +125,9 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences=True, cut_grap
     keep XLA:GPU from fusing across a call (what makes a cut exact there), and early inlining
     lets it compile the body fully; or a lowering of its own (`on_gpu`) between them.
     `fences=False`, for measurement only (experiments/): every body inlined bare, the same own
-    lowerings, no barrier, XLA free to fuse across calls: the unconstrained program the
-    boundaries are measured against. No stage runs so. `cut_graphs` (default `fences`) keeps the
-    CUDA graph cuts (`graph_cuts`: host work, no kernel), as prefill.py's unconstrained program.
+    lowerings and CUDA graph cuts (`graph_cuts`: host work, no kernel), no barrier, XLA free to
+    fuse across calls: the unconstrained program the boundaries are measured against, which
+    differs from the program by the barriers alone. No stage runs so.
     """
     if platform not in ("cpu", *GPU_PLATFORMS):  # `jax.default_backend()`'s "gpu" is not one
         raise ValueError(f"platform {platform!r}: give cpu, cuda or rocm (jax.export's names)")
@@ -135,7 +135,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences=True, cut_grap
     gpu = platform in GPU_PLATFORMS
     fenced = [(_fenced(e) if gpu else _on_cpu(e)) if fences else jex.jaxpr_as_fun(e.params["jaxpr"])
               for e in jp.eqns]
-    cuts = graph_cuts(len(jp.eqns)) if gpu and (fences if cut_graphs is None else cut_graphs) else set()
+    cuts = graph_cuts(len(jp.eqns)) if gpu else set()
     last_read = {id(v): j for j, e in enumerate(jp.eqns) for v in e.invars}  # each var's last
     last_read |= {id(v): len(jp.eqns) for v in jp.outvars}  # reader; outputs read after all
     if cuts:

@@ -52,15 +52,20 @@ def tanh_silu_mul_f32(g, u):
     return (g32 * (0.5 * jnp.tanh(0.5 * g32) + 0.5) * u.astype(jnp.float32)).astype(g.dtype)
 
 
+# name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue
+EPILOGUES = {"exact": (silu_mul_f32, False), "tanh": (tanh_silu_mul_f32, True)}
+
+
 def epilogue() -> tuple:
     """(silu·mul, approx_math) that the fused GEMM's epilogue and `silu_mul_kernel` both run:
     `silu_mul_f32`, exact, unless `KERNJAX_MLP_EPILOGUE=tanh` (an A/B knob for roadmap K15; it
     changes the bits, so every process of a cut must see the same value). Read when a kernel is
     traced, and jit keeps what it traced: set it before the process traces a program."""
     name = os.environ.get("KERNJAX_MLP_EPILOGUE", "exact")
-    if name not in ("exact", "tanh"):
-        raise ValueError(f"KERNJAX_MLP_EPILOGUE={name!r}: give exact (the default) or tanh")
-    return (silu_mul_f32, False) if name == "exact" else (tanh_silu_mul_f32, True)
+    if name not in EPILOGUES:
+        raise ValueError(f"KERNJAX_MLP_EPILOGUE={name!r}: give one of {', '.join(EPILOGUES)} "
+                         "(exact is the default)")
+    return EPILOGUES[name]
 
 
 def tiling(rows: int) -> dict:

@@ -132,7 +132,7 @@ def test_the_epilogue_knob_changes_both_kernels_together(monkeypatch):
     tanh = texts()
     assert exact[0] != tanh[0] and exact[2] != tanh[2]  # fused; silu·mul apart (+ layer 1's)
     monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "fast")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_EPILOGUE='fast': give exact"):
+    with pytest.raises(ValueError, match="KERNJAX_MLP_EPILOGUE='fast': give one of exact, tanh"):
         mlp_hopper.epilogue()
     x = jnp.linspace(-12.0, 12.0, 4001).astype(jnp.bfloat16)
     u = jnp.ones_like(x)
