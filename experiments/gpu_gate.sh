@@ -42,7 +42,7 @@
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
 #              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13;
-#              $FUSED_EPILOGUES (exact,bare,approx,tanh): the epilogue's cost (roadmap K15)
+#              $FUSED_EPILOGUES (of exact,mul,bare,approx,tanh): the epilogue's cost (roadmap K15)
 #   dense      experiments/dense_calls.py: q_norm, k_norm, rope and kv_write as csrc/dense.cu's one
 #              kernel and apart, and add_norm's kernel, against XLA's, at $DENSE_ROWS: roadmap K14
 #   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
