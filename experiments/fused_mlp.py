@@ -24,13 +24,19 @@ alone, but then nothing reads up's products and their MMAs may go as dead code (
 read 0.825 ms at 8192 rows, the H200's rated 989 TFLOP/s on a ~1600 MHz machine): not a floor;
 `approx`
 the same `silu_mul_f32` under Mosaic GPU's `approx_math` (exp as `ex2.approx`); `tanh`
-`mlp_hopper.tanh_silu_mul_f32`, g·(0.5·tanh(g/2) + 0.5)·u under `approx_math` (`tanh.approx`,
-no division), which the model runs with `KERNJAX_MLP_EPILOGUE=tanh`. The variants change the
-bits; `fused = apart` compares with `silu_mul_kernel` traced exact, so it says True for `exact`
-only (the program's fused = apart under `tanh` is the chain gate's, run with the variable set).
+g·(0.5·tanh(g/2) + 0.5)·u under `approx_math` (`tanh.approx`, no division). The variants change
+the bits; `fused = apart` compares with `silu_mul_kernel` traced exact, so it says True for
+`exact` only. On an H200 (2026-12-04) `mul` took what `exact` took: the epilogue's arithmetic is
+not the gap, and `tanh` was slower in the program (`gpu_gate.sh ab`).
+
+`--a_operand smem,regs` times each with wgmma's A (x's tile) read from shared memory by both
+products (`smem`, the model's) or loaded into registers once for both (`regs`, what the model
+runs with `KERNJAX_MLP_A=regs`): a quarter less shared-memory traffic a step at the 8192-row
+tiling, where each warpgroup's products are 64 columns wide.
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
+    python experiments/fused_mlp.py --rows 512,2048,8192 --tiles model --a_operand smem,regs,smem,regs
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
@@ -59,15 +65,21 @@ def mul_f32(g, u):
     return (g.astype(jnp.float32) * u.astype(jnp.float32)).astype(g.dtype)
 
 
-# name: (the epilogue's silu·mul, Mosaic GPU's approx_math): the model's own and three to measure
+def tanh_silu_mul_f32(g, u):
+    """silu(g)·u as g·(0.5·tanh(g/2) + 0.5)·u in float32, rounded once."""
+    g32 = g.astype(jnp.float32)
+    return (g32 * (0.5 * jnp.tanh(0.5 * g32) + 0.5) * u.astype(jnp.float32)).astype(g.dtype)
+
+
+# name: (the epilogue's silu·mul, Mosaic GPU's approx_math): the model's own and four to measure
 EPILOGUES = {**mlp_hopper.EPILOGUES, "mul": (mul_f32, False), "bare": (lambda g, u: g, False),
-             "approx": (silu_mul_f32, True)}
+             "approx": (silu_mul_f32, True), "tanh": (tanh_silu_mul_f32, True)}
 
 
 @contextlib.contextmanager
 def epilogue(name: str):
     """`mlp_hopper.gemm` (and `silu_mul_kernel`, traced inside) with EPILOGUES[name] for the
-    block; `mlp_hopper.epilogue` again after (`exact` and `tanh` are its own choices too)."""
+    block; `mlp_hopper.epilogue` again after."""
     own = mlp_hopper.epilogue
     mlp_hopper.epilogue = lambda: EPILOGUES[name]
     try:
@@ -104,8 +116,14 @@ def main() -> None:
                          "`model`: mlp_hopper.tiling's for the rows")
     ap.add_argument("--epilogues", default="exact",
                     help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")
+    ap.add_argument("--a_operand", default="smem",
+                    help="wgmma's A operand for each, of smem,regs (above)")
     ap.add_argument("--lower", action="store_true", help="lower the kernels only (a CPU can)")
     a = ap.parse_args()
+    for bad in set(a.epilogues.split(",")) - set(EPILOGUES):
+        ap.error(f"--epilogues: {bad!r} is not one of {','.join(EPILOGUES)}")
+    for bad in set(a.a_operand.split(",")) - {"smem", "regs"}:
+        ap.error(f"--a_operand: {bad!r} is not smem or regs")
     from models.qwen3 import linear, silu_mul as model_silu_mul
 
     keys = jax.random.split(jax.random.key(0), 3)
@@ -128,9 +146,11 @@ def main() -> None:
         if not a.lower:
             silu_k(*gu_xla)  # traced here, exact: `apart` keeps the model's epilogue under any
         t_xla = None if a.lower else timed(xla, (x, wg, wu), a.iters)
-        for (name, kw), epi in ((("model", tiling(rows)) if c == "model" else config(c), e)
-                                for c in a.tiles.split(";") for e in a.epilogues.split(",")):
-            name += "" if epi == "exact" else f" {epi}"
+        for (name, kw), epi, op in ((("model", tiling(rows)) if c == "model" else config(c), e, o)
+                                    for c in a.tiles.split(";") for e in a.epilogues.split(",")
+                                    for o in a.a_operand.split(",")):
+            name += ("" if epi == "exact" else f" {epi}") + ("" if op == "smem" else " regs")
+            kw = {**kw, "regs_a": op == "regs"}
             w = (wg, wu)
             fused = jax.jit(functools.partial(gemm, fused=True, **kw))
             apart_gemm = jax.jit(functools.partial(gemm, fused=False, **kw))

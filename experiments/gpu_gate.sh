@@ -42,7 +42,8 @@
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
 #              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13;
-#              $FUSED_EPILOGUES (of exact,mul,bare,approx,tanh): the epilogue's cost (roadmap K15)
+#              $FUSED_EPILOGUES (of exact,mul,bare,approx,tanh): the epilogue's cost, $FUSED_A
+#              (of smem,regs): where wgmma reads x's tile (roadmap K15)
 #   dense      experiments/dense_calls.py: q_norm, k_norm, rope and kv_write as csrc/dense.cu's one
 #              kernel and apart, and add_norm's kernel, against XLA's, at $DENSE_ROWS: roadmap K14
 #   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
@@ -69,7 +70,7 @@
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
 #   ab         experiments/prefill.py's 8k row in one chunk (kernjax, 15 runs) under each value of
-#              $AB_VAR (KERNJAX_MLP_EPILOGUE) in $AB_VALUES ("exact tanh"), $AB_ROUNDS (3) rounds
+#              $AB_VAR (KERNJAX_MLP_A) in $AB_VALUES ("smem regs"), $AB_ROUNDS (3) rounds
 #              alternated on one machine; each run's README under $OUT/ab/<value><round>/
 #   (chain: $ATS picks cut points, default "18 c221 c226 c227 12,24": c221 inside K14's group; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
@@ -448,7 +449,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   fusedmlp)
     log "gate/up with silu·mul in a GEMM's epilogue, against the calls and apart (roadmap K13)"
     python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
-      ${FUSED_EPILOGUES:+--epilogues "$FUSED_EPILOGUES"} \
+      ${FUSED_EPILOGUES:+--epilogues "$FUSED_EPILOGUES"} ${FUSED_A:+--a_operand "$FUSED_A"} \
       > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
   dense)
@@ -540,11 +541,11 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
     # one environment variable's values in the program, alternated on one machine (the rule of
     # docs/lessons.md for a compute-bound change): 8k in one chunk, kernjax alone, 15 runs each
     for r in $(seq 1 "${AB_ROUNDS:-3}"); do
-      for v in ${AB_VALUES:-exact tanh}; do
-        env "${AB_VAR:-KERNJAX_MLP_EPILOGUE}=$v" python experiments/prefill.py --out "$OUT/ab/$v$r" \
+      for v in ${AB_VALUES:-smem regs}; do
+        env "${AB_VAR:-KERNJAX_MLP_A}=$v" python experiments/prefill.py --out "$OUT/ab/$v$r" \
           --profile '' --second_start '' --systems kernjax --prompts 8192 --chunks whole --iters 15 \
           > "$OUT/logs/ab-$v$r.log" 2>&1 || echo "prefill.py: exit $?" >> "$OUT/logs/ab-$v$r.log"
-        echo "${AB_VAR:-KERNJAX_MLP_EPILOGUE}=$v round $r: $(grep -E '^\| kernjax \| 8192' "$OUT/ab/$v$r/README.md" | head -1)" | say
+        echo "${AB_VAR:-KERNJAX_MLP_A}=$v round $r: $(grep -E '^\| kernjax \| 8192' "$OUT/ab/$v$r/README.md" | head -1)" | say
       done
     done ;;
   *) echo "unknown step $step" | say ;;

@@ -78,14 +78,14 @@ def mosaic_module(mod, rows: int = 512, **kw) -> str:
 
 def mlp_modules(mod, rows: int) -> dict:
     """{kernel: module text} of `mod` (a version of models/mlp_hopper.py) at qwen3-4b's MLP
-    shapes: the fused GEMM, the GEMM writing gate and up, the silu·mul kernel apart."""
+    shapes, as the model's calls lower them (its knobs included): the fused GEMM, the GEMM
+    writing gate and up, the silu·mul kernel apart."""
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     x, w, g = S((rows, 2560), bf), S((9728, 2560), bf), S((rows, 9728), bf)
-    gemm = lambda fused: functools.partial(mod.gemm, fused=fused, **mod.tiling(rows))  # noqa: E731
     return {name: "\n".join(modules_of(attention_hopper.on_h200(lambda *a: fn(*a), *args)))
-            for name, fn, args in [("fused", gemm(True), (x, w, w)),
-                                   ("gate_up", gemm(False), (x, w, w)),
-                                   ("silu_mul", mod.silu_mul_kernel, (g, g))]}
+            for name, fn, args in [("fused", mod.fused_call, (x, w, w)),
+                                   ("gate_up", mod.gate_up_call, (x, w, w)),
+                                   ("silu_mul", mod.silu_mul_call, (g, g))]}
 
 
 def _at(rev: str, path: str, d: str):

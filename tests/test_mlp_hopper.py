@@ -112,12 +112,12 @@ def test_silu_mul_f32_rounds_once():
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
 
 
-def test_the_epilogue_knob_changes_both_kernels_together(monkeypatch):
-    """`KERNJAX_MLP_EPILOGUE=tanh` (roadmap K15's A/B): the fused GEMM's epilogue and the
-    silu·mul kernel apart both take `tanh_silu_mul_f32` under `approx_math`, so a cut between
-    the two calls still runs one epilogue's code; a value it does not know is refused, saying
-    which it takes. The tanh form agrees with the exact one within a bf16 step here."""
-    assert mlp_hopper.epilogue() == (mlp_hopper.silu_mul_f32, False)
+def test_the_a_operand_knob_changes_both_gemms_together(monkeypatch):
+    """`KERNJAX_MLP_A=regs` (roadmap K15's A/B): the fused GEMM and the GEMM apart (a cut after
+    `gate_up`) both read x's tile from registers, so a cut between the two calls still runs one
+    mainloop's code; the silu·mul kernel apart is untouched; a value it does not know is
+    refused, saying which it takes."""
+    assert mlp_hopper.a_in_registers() is False
     program = qwen3.program(CFG, dtype="bfloat16", rows=128, context=256)
     g = [e.params["name"] for e in program.jaxpr.jaxpr.eqns].index("l0.gate_up")
     stages = [whole(program), *cut(program, [g + 1])]
@@ -126,16 +126,11 @@ def test_the_epilogue_knob_changes_both_kernels_together(monkeypatch):
         with abstract_h200(132):
             return [export_stage(s, "cuda").mlir_module() for s in stages]
 
-    exact = texts()
-    monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "tanh")
-    assert mlp_hopper.epilogue() == (mlp_hopper.tanh_silu_mul_f32, True)
-    tanh = texts()
-    assert exact[0] != tanh[0] and exact[2] != tanh[2]  # fused; silu·mul apart (+ layer 1's)
-    monkeypatch.setenv("KERNJAX_MLP_EPILOGUE", "fast")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_EPILOGUE='fast': give one of exact, tanh"):
-        mlp_hopper.epilogue()
-    x = jnp.linspace(-12.0, 12.0, 4001).astype(jnp.bfloat16)
-    u = jnp.ones_like(x)
-    a, b = (f(x, u).astype(jnp.float32) for f in (mlp_hopper.silu_mul_f32, mlp_hopper.tanh_silu_mul_f32))
-    step = jnp.abs(a) * 2.0 ** -7 + 1e-30  # a bf16 step at a's magnitude
-    assert bool(jnp.all(jnp.abs(a - b) <= step))
+    smem = texts()
+    monkeypatch.setenv("KERNJAX_MLP_A", "regs")
+    assert mlp_hopper.a_in_registers() is True
+    regs = texts()
+    assert all(a != b for a, b in zip(smem, regs))  # fused; gate_up apart; layer 1's fused
+    monkeypatch.setenv("KERNJAX_MLP_A", "register")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_A='register': give smem"):
+        mlp_hopper.a_in_registers()
