@@ -29,14 +29,11 @@ the bits; `fused = apart` compares with `silu_mul_kernel` traced exact, so it sa
 `exact` only. On an H200 (2026-12-04) `mul` took what `exact` took: the epilogue's arithmetic is
 not the gap, and `tanh` was slower in the program (`gpu_gate.sh ab`).
 
-`--a_operand smem,regs` times each with wgmma's A (x's tile) read from shared memory by both
-products (`smem`, the model's) or loaded into registers once for both (`regs`, what the model
-runs with `KERNJAX_MLP_A=regs`): a quarter less shared-memory traffic a step at the 8192-row
-tiling, where each warpgroup's products are 64 columns wide.
+A variant that read x's tile into registers once for gate and up (wgmma's A from registers)
+ran slower, alone and in the program (2026-12-04; `gemm`'s `regs_a` at `920948a`).
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
-    python experiments/fused_mlp.py --rows 512,2048,8192 --tiles model --a_operand smem,regs,smem,regs
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
@@ -116,14 +113,10 @@ def main() -> None:
                          "`model`: mlp_hopper.tiling's for the rows")
     ap.add_argument("--epilogues", default="exact",
                     help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")
-    ap.add_argument("--a_operand", default="smem",
-                    help="wgmma's A operand for each, of smem,regs (above)")
     ap.add_argument("--lower", action="store_true", help="lower the kernels only (a CPU can)")
     a = ap.parse_args()
     for bad in set(a.epilogues.split(",")) - set(EPILOGUES):
         ap.error(f"--epilogues: {bad!r} is not one of {','.join(EPILOGUES)}")
-    for bad in set(a.a_operand.split(",")) - {"smem", "regs"}:
-        ap.error(f"--a_operand: {bad!r} is not smem or regs")
     from models.qwen3 import linear, silu_mul as model_silu_mul
 
     keys = jax.random.split(jax.random.key(0), 3)
@@ -146,11 +139,9 @@ def main() -> None:
         if not a.lower:
             silu_k(*gu_xla)  # traced here, exact: `apart` keeps the model's epilogue under any
         t_xla = None if a.lower else timed(xla, (x, wg, wu), a.iters)
-        for (name, kw), epi, op in ((("model", tiling(rows)) if c == "model" else config(c), e, o)
-                                    for c in a.tiles.split(";") for e in a.epilogues.split(",")
-                                    for o in a.a_operand.split(",")):
-            name += ("" if epi == "exact" else f" {epi}") + ("" if op == "smem" else " regs")
-            kw = {**kw, "regs_a": op == "regs"}
+        for (name, kw), epi in ((("model", tiling(rows)) if c == "model" else config(c), e)
+                                for c in a.tiles.split(";") for e in a.epilogues.split(",")):
+            name += "" if epi == "exact" else f" {epi}"
             w = (wg, wu)
             fused = jax.jit(functools.partial(gemm, fused=True, **kw))
             apart_gemm = jax.jit(functools.partial(gemm, fused=False, **kw))

@@ -9,7 +9,8 @@
 #              (the command below: every GPU test in 202-221 s, `7af7c58`)
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
-#              hopper; 8192 rows, 8192 keys), where it stalls; the report in logs/attention.ncu-rep,
+#              hopper; 8192 rows, 8192 keys), or with NCU_TARGET=mlp of the fused gate/up GEMM
+#              (8192 rows), where it stalls; the report in logs/attention.ncu-rep (mlp.ncu-rep),
 #              as text in ncu-details.txt, the stall samples per SASS instruction in ncu-source.csv
 #   variant    experimental: variants of the Hopper kernel ($VARIANT, experiments/attention.py
 #              kernels, comma-separated; default hopper-mbarrier: the turns at a shared-memory
@@ -42,8 +43,7 @@
 #   fusedmlp   experiments/fused_mlp.py: gate/up with silu·mul in a Mosaic GPU GEMM's epilogue
 #              against the model's two calls and against the same GEMM and a silu·mul kernel
 #              apart, at $FUSED_ROWS (512,2048,8192), tilings $FUSED_TILES (its default): roadmap K13;
-#              $FUSED_EPILOGUES (of exact,mul,bare,approx,tanh): the epilogue's cost, $FUSED_A
-#              (of smem,regs): where wgmma reads x's tile (roadmap K15)
+#              $FUSED_EPILOGUES (of exact,mul,bare,approx,tanh): the epilogue's cost (roadmap K15)
 #   dense      experiments/dense_calls.py: q_norm, k_norm, rope and kv_write as csrc/dense.cu's one
 #              kernel and apart, and add_norm's kernel, against XLA's, at $DENSE_ROWS: roadmap K14
 #   addnorm    experiments/add_norm.py: the residual add and the next RMSNorm as one Pallas Triton
@@ -70,7 +70,7 @@
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
 #   ab         experiments/prefill.py's 8k row in one chunk (kernjax, 15 runs) under each value of
-#              $AB_VAR (KERNJAX_MLP_A) in $AB_VALUES ("smem regs"), $AB_ROUNDS (3) rounds
+#              $AB_VAR (e.g. KERNJAX_DENSE_CUDA) in $AB_VALUES (e.g. "1 0"), both required, $AB_ROUNDS (3) rounds
 #              alternated on one machine; each run's README under $OUT/ab/<value><round>/
 #   (chain: $ATS picks cut points, default "18 c221 c226 c227 12,24": c221 inside K14's group; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the
@@ -281,22 +281,32 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
     echo "tests: exit $?" | say
     grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/logs/variant-tests.log" | tail -12 | say ;;
   ncu)
-    # where the attention kernel's warps stall: Nsight Compute's full set on one launch (square 8k)
-    log "a profile of the attention kernel (Nsight Compute), 8192 rows on 8192 keys"
+    # where a kernel's warps stall: Nsight Compute's full set on one launch, of the attention
+    # kernel (square 8k) or, with NCU_TARGET=mlp, of the fused gate/up GEMM at 8192 rows (its first
+    # launch after fused_mlp.py's silu·mul kernel apart, the other kernel named `body`)
     n=$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    if [ "${NCU_TARGET:-attention}" = mlp ]; then
+      log "a profile of the fused gate/up GEMM (Nsight Compute), 8192 rows"
+      target=(--kernel-name regex:"^body" --launch-skip 1 --launch-count 1)
+      cmd=(python experiments/fused_mlp.py --rows 8192 --tiles model --iters 1)
+    else
+      log "a profile of the attention kernel (Nsight Compute), 8192 rows on 8192 keys"
+      target=(--kernel-name regex:"mosaic|attention" --launch-skip 2 --launch-count 1)
+      cmd=(python experiments/attention.py --kernel "${NCU_KERNEL:-hopper}" --cases 8192:8192
+           --reps 1 --inner 1 --sets 1)
+    fi
     if [ -z "$n" ]; then echo "ncu: not on this machine" | say; else
-      timeout 300 "$n" --kernel-name regex:"mosaic|attention" --launch-skip 2 --launch-count 1 \
-        --set full -f -o "$OUT/logs/attention" python experiments/attention.py --kernel ${NCU_KERNEL:-hopper} \
-        --cases 8192:8192 --reps 1 --inner 1 --sets 1 > "$OUT/logs/ncu.log" 2>&1
+      timeout "${NCU_SECONDS:-300}" "$n" "${target[@]}" --set full -f -o "$OUT/logs/${NCU_TARGET:-attention}" "${cmd[@]}" \
+        > "$OUT/logs/ncu.log" 2>&1
       echo "ncu: exit $?" | say
-      "$n" --import "$OUT/logs/attention.ncu-rep" --page details > "$OUT/logs/ncu-details.txt" 2>&1
+      "$n" --import "$OUT/logs/${NCU_TARGET:-attention}.ncu-rep" --page details > "$OUT/logs/ncu-details.txt" 2>&1
       grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Executed Ipc A|No Eligible|Warp Cycles Per Issued|Compute \(SM\) Throughput|Memory Throughput|Local Memory|Stall|Tensor" \
         "$OUT/logs/ncu-details.txt" | head -40 | say
-      "$n" --import "$OUT/logs/attention.ncu-rep" --page raw > "$OUT/logs/ncu-raw.txt" 2>&1
+      "$n" --import "$OUT/logs/${NCU_TARGET:-attention}.ncu-rep" --page raw > "$OUT/logs/ncu-raw.txt" 2>&1
       grep -E "issue_stalled_[a-z_]+_per_warp_active.pct|inst_executed_pipe_[a-z_]+.avg.pct|pipe_tensor.*pct" \
         "$OUT/logs/ncu-raw.txt" | awk '$NF+0 > 0.5' | head -50 | say
       # per SASS instruction, its stall samples: where in the loop the warps wait
-      "$n" --import "$OUT/logs/attention.ncu-rep" --page source --print-source sass --csv \
+      "$n" --import "$OUT/logs/${NCU_TARGET:-attention}.ncu-rep" --page source --print-source sass --csv \
         > "$OUT/logs/ncu-source.csv" 2>&1
       echo "ncu source page: $(wc -l < "$OUT/logs/ncu-source.csv") lines in logs/ncu-source.csv" | say
       python experiments/ncu_stalls.py "$OUT/logs/ncu-source.csv" > "$OUT/logs/ncu-stalls.md" 2>&1
@@ -449,7 +459,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   fusedmlp)
     log "gate/up with silu·mul in a GEMM's epilogue, against the calls and apart (roadmap K13)"
     python experiments/fused_mlp.py --rows "${FUSED_ROWS:-512,2048,8192}" ${FUSED_TILES:+--tiles "$FUSED_TILES"} \
-      ${FUSED_EPILOGUES:+--epilogues "$FUSED_EPILOGUES"} ${FUSED_A:+--a_operand "$FUSED_A"} \
+      ${FUSED_EPILOGUES:+--epilogues "$FUSED_EPILOGUES"} \
       > "$OUT/logs/fused_mlp.log" 2>&1 || echo "fused_mlp.py: exit $?" >> "$OUT/logs/fused_mlp.log"
     grep -E "^\||exit" "$OUT/logs/fused_mlp.log" | say ;;
   dense)
@@ -540,12 +550,16 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   ab)
     # one environment variable's values in the program, alternated on one machine (the rule of
     # docs/lessons.md for a compute-bound change): 8k in one chunk, kernjax alone, 15 runs each
+    if [ -z "${AB_VAR:-}" ] || [ -z "${AB_VALUES:-}" ]; then
+      echo "ab: set AB_VAR (an environment variable) and AB_VALUES (its values, space-separated)" | say
+      continue
+    fi
     for r in $(seq 1 "${AB_ROUNDS:-3}"); do
-      for v in ${AB_VALUES:-smem regs}; do
-        env "${AB_VAR:-KERNJAX_MLP_A}=$v" python experiments/prefill.py --out "$OUT/ab/$v$r" \
+      for v in $AB_VALUES; do
+        env "$AB_VAR=$v" python experiments/prefill.py --out "$OUT/ab/$v$r" \
           --profile '' --second_start '' --systems kernjax --prompts 8192 --chunks whole --iters 15 \
           > "$OUT/logs/ab-$v$r.log" 2>&1 || echo "prefill.py: exit $?" >> "$OUT/logs/ab-$v$r.log"
-        echo "${AB_VAR:-KERNJAX_MLP_A}=$v round $r: $(grep -E '^\| kernjax \| 8192' "$OUT/ab/$v$r/README.md" | head -1)" | say
+        echo "$AB_VAR=$v round $r: $(grep -E '^\| kernjax \| 8192' "$OUT/ab/$v$r/README.md" | head -1)" | say
       done
     done ;;
   *) echo "unknown step $step" | say ;;

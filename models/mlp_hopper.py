@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -46,24 +45,13 @@ def silu_mul_f32(g, u):
 
 
 # name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue; experiments/fused_mlp.py
-# times others in its place (roadmap K15: none was faster in the program, 2026-12-04)
+# times others in its place (roadmap K15, 2026-12-04: g·u alone no faster, a tanh form slower)
 EPILOGUES = {"exact": (silu_mul_f32, False)}
 
 
 def epilogue() -> tuple:
     """(silu·mul, approx_math) that the fused GEMM's epilogue and `silu_mul_kernel` both run."""
     return EPILOGUES["exact"]
-
-
-def a_in_registers() -> bool:
-    """Whether the GEMM's wgmma reads x's tile from registers, loaded from shared memory once for
-    gate and up, rather than from shared memory for each (roadmap K15): `KERNJAX_MLP_A=regs`, an
-    A/B knob, default `smem`. Read when a kernel is traced, and jit keeps what it traced: set it
-    before the process traces a program, the same in every process of a cut."""
-    name = os.environ.get("KERNJAX_MLP_A", "smem")
-    if name not in ("smem", "regs"):
-        raise ValueError(f"KERNJAX_MLP_A={name!r}: give smem (the default) or regs")
-    return name == "regs"
 
 
 def tiling(rows: int) -> dict:
@@ -96,13 +84,12 @@ def fits(x, wg, wu) -> bool:
 
 
 def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps: int,
-         wg_n: bool, minor: int, width: int, regs_a: bool = False):
+         wg_n: bool, minor: int, width: int):
     """x [M, K] times gate and up [F, K] (as stored) on Hopper. Each compute warpgroup of a CTA
     takes tile_m rows by tile_n / 2 columns of gate and the same of up; the CTA's two side by
     side (wg_n) or one above the other; tiles in `plgpu.planar_snake` order (minor 0 rows, 1
     columns, `width` tiles wide). fused: silu_mul_f32 of gate and up rounded to bf16, [M, F];
-    else gate and up rounded to bf16, two [M, F]. regs_a: x's tile in registers for both
-    products (wgmma's A from registers), else read from shared memory by each."""
+    else gate and up rounded to bf16, two [M, F]."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -173,8 +160,6 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
 
                 def step(_, x_smem, g_smem, u_smem, accs):
                     a = x_smem.at[wg_rows]
-                    if regs_a:  # x's tile read from shared memory once for gate and up
-                        a = a[...]
                     plgpu.wgmma(accs[0], a, g_smem.at[wg_cols].transpose((1, 0)))
                     plgpu.wgmma(accs[1], a, u_smem.at[wg_cols].transpose((1, 0)))
                     plgpu.wgmma_wait(0)
@@ -225,14 +210,14 @@ def fused_call(x, wg, wu):
     """`gate_up` then `silu_mul`, one kernel: silu(gate)·up."""
     if not fits(x, wg, wu):
         return None
-    return gemm(x, wg, wu, fused=True, **tiling(x.shape[0]), regs_a=a_in_registers())[0]
+    return gemm(x, wg, wu, fused=True, **tiling(x.shape[0]))[0]
 
 
 def gate_up_call(x, wg, wu):
     """`gate_up` alone (a cut after it): the fused kernel's GEMM, gate and up written."""
     if not fits(x, wg, wu):
         return None
-    return tuple(gemm(x, wg, wu, fused=False, **tiling(x.shape[0]), regs_a=a_in_registers()))
+    return tuple(gemm(x, wg, wu, fused=False, **tiling(x.shape[0])))
 
 
 def silu_mul_call(g, u):

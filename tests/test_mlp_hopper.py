@@ -110,27 +110,3 @@ def test_silu_mul_f32_rounds_once():
     want = (g.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))
             * u.astype(jnp.float32)).astype(jnp.bfloat16)
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
-
-
-def test_the_a_operand_knob_changes_both_gemms_together(monkeypatch):
-    """`KERNJAX_MLP_A=regs` (roadmap K15's A/B): the fused GEMM and the GEMM apart (a cut after
-    `gate_up`) both read x's tile from registers, so a cut between the two calls still runs one
-    mainloop's code; the silu·mul kernel apart is untouched; a value it does not know is
-    refused, saying which it takes."""
-    assert mlp_hopper.a_in_registers() is False
-    program = qwen3.program(CFG, dtype="bfloat16", rows=128, context=256)
-    g = [e.params["name"] for e in program.jaxpr.jaxpr.eqns].index("l0.gate_up")
-    stages = [whole(program), *cut(program, [g + 1])]
-
-    def texts():
-        with abstract_h200(132):
-            return [export_stage(s, "cuda").mlir_module() for s in stages]
-
-    smem = texts()
-    monkeypatch.setenv("KERNJAX_MLP_A", "regs")
-    assert mlp_hopper.a_in_registers() is True
-    regs = texts()
-    assert all(a != b for a, b in zip(smem, regs))  # fused; gate_up apart; layer 1's fused
-    monkeypatch.setenv("KERNJAX_MLP_A", "register")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_A='register': give smem"):
-        mlp_hopper.a_in_registers()
