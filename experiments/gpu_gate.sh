@@ -10,7 +10,7 @@
 #   attention  experiments/attention.py: the chunk-attention kernel's TFLOP/s
 #   ncu        Nsight Compute's full set on one launch of the Hopper kernel ($NCU_KERNEL, default
 #              hopper; 8192 rows, 8192 keys), or with NCU_TARGET=mlp of the fused gate/up GEMM
-#              (8192 rows), where it stalls; the report in logs/attention.ncu-rep (mlp.ncu-rep),
+#              (8192 rows, tiling $NCU_TILES: fused_mlp.py --tiles, default model), where it stalls; the report in logs/attention.ncu-rep (mlp.ncu-rep),
 #              as text in ncu-details.txt, the stall samples per SASS instruction in ncu-source.csv
 #   variant    experimental: variants of the Hopper kernel ($VARIANT, experiments/attention.py
 #              kernels, comma-separated; default hopper-mbarrier: the turns at a shared-memory
@@ -288,7 +288,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
     if [ "${NCU_TARGET:-attention}" = mlp ]; then
       log "a profile of the fused gate/up GEMM (Nsight Compute), 8192 rows"
       target=(--kernel-name regex:"^body" --launch-skip 1 --launch-count 1)
-      cmd=(python experiments/fused_mlp.py --rows 8192 --tiles model --iters 1)
+      cmd=(python experiments/fused_mlp.py --rows 8192 --tiles "${NCU_TILES:-model}" --iters 1)
     else
       log "a profile of the attention kernel (Nsight Compute), 8192 rows on 8192 keys"
       target=(--kernel-name regex:"mosaic|attention" --launch-skip 2 --launch-count 1)
