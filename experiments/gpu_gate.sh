@@ -70,7 +70,7 @@
 #              alone ($CLOCK_SECONDS per phase, 8; 14 took 134 s): MFU's 989 TFLOP/s is the
 #              peak at 1830 MHz, and a GPU at its power limit runs lower
 #   ab         experiments/prefill.py's 8k row in one chunk (kernjax, 15 runs) under each value of
-#              $AB_VAR (e.g. KERNJAX_DENSE_CUDA) in $AB_VALUES (e.g. "1 0"), both required, $AB_ROUNDS (3) rounds
+#              $AB_VAR (e.g. KERNJAX_MLP_ACROSS) in $AB_VALUES (e.g. "0 1"), both required, $AB_ROUNDS (3) rounds
 #              alternated on one machine; each run's README under $OUT/ab/<value><round>/
 #   (chain: $ATS picks cut points, default "18 c221 c226 c227 12,24": c221 inside K14's group; $CHUNKS the chunk sizes)
 #   prefill    experiments/prefill.py: the prefill benchmark (results under $OUT/prefill/), the

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -59,10 +60,25 @@ def tiling(rows: int) -> dict:
     warpgroup's tile, its two side by side (`wg_n`) or one above the other, the CTAs' order.
     Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
-    than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/)."""
+    than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
+    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles."""
     if rows <= 2048:
-        return dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
-    return dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
+        t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
+    else:
+        t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
+    if across_tiles():
+        t.update(steps=4, across=True)
+    return t
+
+
+def across_tiles() -> bool:
+    """`KERNJAX_MLP_ACROSS=1`: the GEMM's pipeline across each CTA's tiles with four steps (`gemm`'s
+    `across`; roadmap K15), an A/B knob, default 0. It changes no bit, but set it alike in every
+    process of a cut all the same, before a program is traced (jit keeps what it traced)."""
+    value = os.environ.get("KERNJAX_MLP_ACROSS", "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"KERNJAX_MLP_ACROSS={value!r}: give 0 (the default) or 1")
+    return value == "1"
 
 
 def _cta(t: dict) -> tuple[int, int]:
@@ -84,12 +100,20 @@ def fits(x, wg, wu) -> bool:
 
 
 def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps: int,
-         wg_n: bool, minor: int, width: int):
+         wg_n: bool, minor: int, width: int, across: bool = False, ctas: int | None = None,
+         interpret=None):
     """x [M, K] times gate and up [F, K] (as stored) on Hopper. Each compute warpgroup of a CTA
     takes tile_m rows by tile_n / 2 columns of gate and the same of up; the CTA's two side by
     side (wg_n) or one above the other; tiles in `plgpu.planar_snake` order (minor 0 rows, 1
     columns, `width` tiles wide). fused: silu_mul_f32 of gate and up rounded to bf16, [M, F];
-    else gate and up rounded to bf16, two [M, F]."""
+    else gate and up rounded to bf16, two [M, F].
+
+    across (roadmap K15): one pipeline over all of a CTA's tiles (Mosaic GPU's pipeline of
+    pipelines: the producer loads the next tile's first steps while the warpgroups run this
+    tile's epilogue), where the steps over K are a multiple of `steps` and every SM has two tiles
+    or more; else a pipeline a tile. The same MMAs in the same order and the same epilogue: the
+    same bits. ctas: CTAs to run (default one an SM); interpret: Mosaic GPU's interpreter (both
+    for CPU tests)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -106,16 +130,18 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     m_tiles, n_tiles = m // cta_m, f // cta_n
     outs = 1 if fused else 2
     silu_mul, approx = epilogue()
+    ctas = ctas or sm_count()
+    across = across and (k // tile_k) % steps == 0 and m_tiles * n_tiles >= 2 * ctas
 
     def body(x_gmem, g_gmem, u_gmem, *out_gmem):
-        def pipeline(step, context):
+        def pipeline(step, context, state=None):
             spec = lambda shape: plgpu.BlockSpec(  # noqa: E731
                 shape, lambda kk: (0, kk), transforms=tr, memory_space=plgpu.SMEM)
             return plgpu.emit_pipeline_warp_specialized(
                 step, grid=(k // tile_k,), memory_registers=40,
                 in_specs=[spec((cta_m, tile_k)), spec((cta_n, tile_k)), spec((cta_n, tile_k))],
                 wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps,
-                compute_context=context)
+                compute_context=context, pipeline_state=state)
 
         nothing = lambda *_, **__: None  # noqa: E731
 
@@ -165,16 +191,23 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
                     plgpu.wgmma_wait(0)
                     return accs
 
-                pipeline(step, context)(x_gmem.at[rows, :], g_gmem.at[cols, :],
-                                        u_gmem.at[cols, :], allocations=allocs)
+                state = None
+                if across:  # the first of the CTA's tiles starts the pipeline, its last stops it
+                    p = plgpu.PipelinePipeline
+                    state = jnp.where(info.local_index == 0, int(p.START),
+                                      jnp.where(info.local_index == info.num_local_steps - 1,
+                                                int(p.STOP), int(p.STEADY)))
+                pipeline(step, context, state)(x_gmem.at[rows, :], g_gmem.at[cols, :],
+                                               u_gmem.at[cols, :], allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     return plgpu.kernel(
         body, out_type=[jax.ShapeDtypeStruct((m, f), x.dtype)] * outs,
-        grid=(sm_count(),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx))(x, wg, wu)
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),
+        **({"interpret": interpret} if interpret is not None else {}))(x, wg, wu)
 
 
 def silu_mul_kernel(g, u, *, block=(64, 128)):

@@ -6,6 +6,7 @@ kernel gives the bits of the pair apart is checked on the GPU (`experiments/fuse
 chain cut between the two calls in `experiments/gpu_gate.sh`)."""
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -110,3 +111,80 @@ def test_silu_mul_f32_rounds_once():
     want = (g.astype(jnp.float32) * jax.nn.sigmoid(g.astype(jnp.float32))
             * u.astype(jnp.float32)).astype(jnp.bfloat16)
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
+
+
+def _gemm_in_the_interpreter(fused, across, ctas):
+    """qwen3-shaped operands, small (x [256, 256], gate and up [256, 256]), through `gemm` in
+    Mosaic GPU's interpreter with its race detector: 8 tiles of 128 x 64, 4 steps over K."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+
+    ks = jax.random.split(jax.random.key(0), 3)
+    x = jax.random.normal(ks[0], (256, 256), jnp.float32).astype(jnp.bfloat16)
+    wg, wu = ((0.1 * jax.random.normal(kk, (256, 256), jnp.float32)).astype(jnp.bfloat16)
+              for kk in ks[1:])
+    out = mlp_hopper.gemm(x, wg, wu, fused=fused, tile_m=64, tile_n=128, tile_k=64, steps=2,
+                          wg_n=False, minor=1, width=1, across=across, ctas=ctas,
+                          interpret=plgpu.InterpretGPUParams(detect_races=True))
+    jax.block_until_ready(out)
+    assert not ipc.get_races().races_found, "the race detector found a race (printed above)"
+    return x, wg, wu, out
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter runs on the CPU")
+@pytest.mark.parametrize("ctas", [2, 3])
+def test_one_pipeline_across_a_ctas_tiles_gives_the_bits_of_one_a_tile(ctas):
+    """`gemm(across=True)` (roadmap K15): the producer runs one pipeline over all of a CTA's tiles
+    (Mosaic GPU's pipeline of pipelines: START, STEADY.., STOP), here 4 tiles a CTA, or 3, 3 and 2.
+    Fused and apart, it writes the bits a pipeline a tile writes, with no race, and the fused
+    product is silu_mul_f32 of gate and up apart."""
+    outs = {}
+    for fused in (True, False):
+        x, wg, wu, one = _gemm_in_the_interpreter(fused, across=False, ctas=ctas)
+        outs[fused] = _gemm_in_the_interpreter(fused, across=True, ctas=ctas)[3]
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(outs[fused], one))
+    g, u = outs[False]
+    for got, w in zip((g, u), (wg, wu)):  # within a bf16 step of float32's product
+        want = x.astype(jnp.float32) @ w.T.astype(jnp.float32)
+        assert bool(jnp.all(jnp.abs(got.astype(jnp.float32) - want)
+                            <= jnp.abs(want) * 2.0 ** -7 + 1e-3))
+    assert bool(jnp.array_equal(outs[True][0], mlp_hopper.silu_mul_f32(g, u)))
+
+
+def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply(monkeypatch):
+    """`KERNJAX_MLP_ACROSS=1`: the fused GEMM and the GEMM apart take four steps and one pipeline
+    across a CTA's tiles, the silu·mul kernel apart is untouched; where the steps over K are not
+    a multiple of four or an SM would get one tile, the kernel is the pipeline a tile's; a value
+    it does not know is refused, saying which it takes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    from same_kernel import modules_of
+    from models.attention_hopper import on_h200
+
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+
+    def module(fn, *args):  # a new function each time: jit would keep an earlier trace
+        return modules_of(on_h200(lambda *a: fn(*a), *args, num_cores=132))
+
+    def calls(rows):
+        x, w, g = S((rows, 2560), bf), S((9728, 2560), bf), S((rows, 9728), bf)
+        return [module(mlp_hopper.fused_call, x, w, w), module(mlp_hopper.gate_up_call, x, w, w),
+                module(mlp_hopper.silu_mul_call, g, g)]
+
+    assert mlp_hopper.across_tiles() is False
+    default = calls(8192)
+    monkeypatch.setenv("KERNJAX_MLP_ACROSS", "1")
+    assert mlp_hopper.tiling(8192)["across"] and mlp_hopper.tiling(8192)["steps"] == 4
+    knob = calls(8192)
+    assert knob[0] != default[0] and knob[1] != default[1] and knob[2] == default[2]
+    for rows, k in [(128, 2560), (8192, 2624)]:  # 76 tiles, under two an SM; 41 steps over K
+        x, w = S((rows, k), bf), S((9728, k), bf)
+        t = mlp_hopper.tiling(rows)
+        both = [module(functools.partial(mlp_hopper.gemm, fused=True, **kw), x, w, w)
+                for kw in (t, dict(t, across=False))]
+        assert both[0] == both[1], (rows, k)
+    monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
+        mlp_hopper.across_tiles()
