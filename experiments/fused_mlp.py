@@ -34,11 +34,14 @@ ran slower, alone and in the program (2026-12-04; `gemm`'s `regs_a` at `920948a`
 then found the tensor pipe idle ~12 % of the fused GEMM's cycles at the tiles' edges; a config's
 eighth field `X` runs one pipeline across each CTA's tiles (`gemm`'s `across`, four steps), so
 that the producer loads the next tile while the warpgroups run the epilogue (roadmap K15; what
-the model runs with `KERNJAX_MLP_ACROSS=1`).
+the model runs with `KERNJAX_MLP_ACROSS=1`). In that profile the epilogue's samples sit in
+conversions (F2F, a quarter-rate instruction: 128 a thread a tile for gate and up) and silu·mul's
+`ex2`/`rcp`; the ninth field `I` rounds gate and up by integer operations instead
+(`mlp_hopper.round_bf16`, the same bits; the model's `KERNJAX_MLP_ROUND=int`).
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
-    python experiments/fused_mlp.py --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model;128,128,64,4,N,M,8,X"
+    python experiments/fused_mlp.py --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model;128,128,64,3,N,M,8,T,I"
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
@@ -93,11 +96,12 @@ def epilogue(name: str):
 def config(text: str) -> tuple[str, dict]:
     """`--tiles`' one config as (its name, `gemm`'s keywords)."""
     tm, tn, tk, steps, *rest = text.split(",")
-    wgs, minor, width, pipe = rest + ["M", "N", "1", "T"][len(rest):]
-    name = f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}" + (" across" if pipe == "X" else "")
+    wgs, minor, width, pipe, rnd = rest + ["M", "N", "1", "T", "C"][len(rest):]
+    name = (f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}" + (" across" if pipe == "X" else "")
+            + (" int" if rnd == "I" else ""))
     return name, dict(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), steps=int(steps),
                       wg_n=wgs == "N", minor="MN".index(minor), width=int(width),
-                      across=pipe == "X")
+                      across=pipe == "X", rounding="int" if rnd == "I" else "cvt")
 
 
 def for_h200(fn, *args) -> str:
@@ -112,12 +116,14 @@ def main() -> None:
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiles", default="model;128,128,64,4,N,M,8;64,256,64,3,M,N,1",
-                    help="tile_m,tile_n,tile_k,steps[,wgs,minor,width,pipe] per config, ';' "
+                    help="tile_m,tile_n,tile_k,steps[,wgs,minor,width,pipe,round] per config, ';' "
                          "between: a warpgroup's tile; its two warpgroups side by side (wgs N) "
                          "or one above the other (M, the default); tiles ordered by "
                          "plgpu.planar_snake along `minor` (M or N, default N), `width` tiles "
                          "wide (default 1); pipe X: one pipeline across a CTA's tiles "
-                         "(mlp_hopper.gemm's `across`), T (the default) one a tile; "
+                         "(mlp_hopper.gemm's `across`), T (the default) one a tile; round I: "
+                         "gate and up rounded by integers (`rounding='int'`), C (the default) "
+                         "by conversions; "
                          "`model`: mlp_hopper.tiling's for the rows")
     ap.add_argument("--epilogues", default="exact",
                     help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")

@@ -45,6 +45,28 @@ def silu_mul_f32(g, u):
     return (g32 / (1.0 + jnp.exp(-g32)) * u32).astype(g.dtype)
 
 
+def round_bf16(v):
+    """float32 `v` rounded to bfloat16's nearest (ties to even), kept in float32: the bits of
+    `v.astype(bfloat16).astype(float32)` for every value, NaN kept a NaN. Integer operations at
+    the ALU's rate, where the conversion instruction (F2F) runs on the GPU's quarter-rate pipe:
+    in the fused GEMM's epilogue it rounds gate and up before silu·mul (`KERNJAX_MLP_ROUND=int`,
+    roadmap K15)."""
+    b = lax.bitcast_convert_type(v, jnp.uint32)
+    r = (b + (jnp.uint32(0x7FFF) + ((b >> 16) & jnp.uint32(1)))) & jnp.uint32(0xFFFF0000)
+    return jnp.where(v != v, v, lax.bitcast_convert_type(r, jnp.float32))
+
+
+def int_round() -> bool:
+    """`KERNJAX_MLP_ROUND=int`: the fused GEMM rounds gate and up with `round_bf16` rather than a
+    conversion to bfloat16 and back (an A/B knob, default `cvt`; the same bits, NaN aside, which
+    silu·mul makes the GPU's one NaN either way). Set it alike in every process of a cut, before
+    a program is traced."""
+    value = os.environ.get("KERNJAX_MLP_ROUND", "cvt")
+    if value not in ("cvt", "int"):
+        raise ValueError(f"KERNJAX_MLP_ROUND={value!r}: give cvt (the default) or int")
+    return value == "int"
+
+
 # name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue; experiments/fused_mlp.py
 # times others in its place (roadmap K15, 2026-12-04: g·u alone no faster, a tanh form slower)
 EPILOGUES = {"exact": (silu_mul_f32, False)}
@@ -61,13 +83,16 @@ def tiling(rows: int) -> dict:
     Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
-    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles."""
+    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
+    `KERNJAX_MLP_ROUND=int` (`int_round`): the fused epilogue's rounding by integers."""
     if rows <= 2048:
         t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
     if across_tiles():
         t.update(steps=4, across=True)
+    if int_round():
+        t.update(rounding="int")
     return t
 
 
@@ -101,7 +126,7 @@ def fits(x, wg, wu) -> bool:
 
 def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps: int,
          wg_n: bool, minor: int, width: int, across: bool = False, ctas: int | None = None,
-         interpret=None):
+         rounding: str = "cvt", interpret=None):
     """x [M, K] times gate and up [F, K] (as stored) on Hopper. Each compute warpgroup of a CTA
     takes tile_m rows by tile_n / 2 columns of gate and the same of up; the CTA's two side by
     side (wg_n) or one above the other; tiles in `plgpu.planar_snake` order (minor 0 rows, 1
@@ -112,7 +137,8 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     pipelines: the producer loads the next tile's first steps while the warpgroups run this
     tile's epilogue), where the steps over K are a multiple of `steps` and every SM has two tiles
     or more; else a pipeline a tile. The same MMAs in the same order and the same epilogue: the
-    same bits. ctas: CTAs to run (default one an SM); interpret: Mosaic GPU's interpreter (both
+    same bits. rounding (fused only): "int" rounds gate and up to bfloat16 by `round_bf16`, "cvt"
+    (the default) by a conversion and back; the same bits into silu·mul. ctas: CTAs to run (default one an SM); interpret: Mosaic GPU's interpreter (both
     for CPU tests)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -172,8 +198,13 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
                         slot = 0
                         for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
                             at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
-                            g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)
-                            for o, part in enumerate([silu_mul(g, u)] if fused else [g, u]):
+                            if fused and rounding == "int":
+                                g, u = round_bf16(g_all[at]), round_bf16(u_all[at])
+                                parts = [silu_mul(g, u).astype(x.dtype)]
+                            else:
+                                g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)
+                                parts = [silu_mul(g, u)] if fused else [g, u]
+                            for o, part in enumerate(parts):
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = part
                                 plgpu.commit_smem()

@@ -11,6 +11,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jax import export
@@ -113,7 +114,7 @@ def test_silu_mul_f32_rounds_once():
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
 
 
-def _gemm_in_the_interpreter(fused, across, ctas):
+def _gemm_in_the_interpreter(fused, across, ctas, rounding="cvt"):
     """qwen3-shaped operands, small (x [256, 256], gate and up [256, 256]), through `gemm` in
     Mosaic GPU's interpreter with its race detector: 8 tiles of 128 x 64, 4 steps over K."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -125,6 +126,7 @@ def _gemm_in_the_interpreter(fused, across, ctas):
               for kk in ks[1:])
     out = mlp_hopper.gemm(x, wg, wu, fused=fused, tile_m=64, tile_n=128, tile_k=64, steps=2,
                           wg_n=False, minor=1, width=1, across=across, ctas=ctas,
+                          rounding=rounding,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(out)
     assert not ipc.get_races().races_found, "the race detector found a race (printed above)"
@@ -188,3 +190,58 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
     with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
         mlp_hopper.across_tiles()
+
+
+def test_round_bf16_is_the_conversion_for_every_value_but_nan():
+    """`round_bf16` (`KERNJAX_MLP_ROUND=int`): integer rounding to bfloat16's nearest, ties to
+    even, gives the bits of a conversion to bfloat16 and back for 2^21 random bit patterns and
+    the edges (ties, subnormals, the largest finite, infinities); a NaN stays a NaN."""
+    rng = np.random.default_rng(0)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, size=1 << 21, dtype=np.uint64).astype(np.uint32),
+                           np.array([0, 0x80000000, 1, 0x007FFFFF, 0x00008000, 0x00018000,
+                                     0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
+                                     0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF], np.uint32)])
+    v = jnp.asarray(bits.view(np.float32))
+    got = np.asarray(jax.jit(mlp_hopper.round_bf16)(v))
+    want = np.asarray(v.astype(jnp.bfloat16).astype(jnp.float32))
+    nan = np.isnan(want)
+    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
+    assert np.isnan(got[nan]).all() and nan.sum() > 1000
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter runs on the CPU")
+def test_the_fused_gemm_rounding_by_integers_gives_the_conversions_bits():
+    """`gemm(rounding="int")`: the fused epilogue's gate and up rounded by `round_bf16` give the
+    bits the conversion gives (in Mosaic GPU's interpreter, no race), across tiles too."""
+    one = _gemm_in_the_interpreter(True, across=False, ctas=2)[3]
+    for across in (False, True):
+        out = _gemm_in_the_interpreter(True, across=across, ctas=2, rounding="int")[3]
+        assert bool(jnp.array_equal(out[0], one[0]))
+
+
+def test_the_round_knob_changes_the_fused_gemm_alone(monkeypatch):
+    """`KERNJAX_MLP_ROUND=int` changes the fused GEMM's module and neither the GEMM apart nor the
+    silu·mul kernel; a value it does not know is refused, saying which it takes."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    from same_kernel import modules_of
+    from models.attention_hopper import on_h200
+
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    x, w, g = S((8192, 2560), bf), S((9728, 2560), bf), S((8192, 9728), bf)
+
+    def calls():
+        return [modules_of(on_h200(lambda *a, fn=fn: fn(*a), *args, num_cores=132))
+                for fn, args in [(mlp_hopper.fused_call, (x, w, w)),
+                                 (mlp_hopper.gate_up_call, (x, w, w)),
+                                 (mlp_hopper.silu_mul_call, (g, g))]]
+
+    default = calls()
+    monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
+    knob = calls()
+    assert knob[0] != default[0] and knob[1:] == default[1:]
+    monkeypatch.setenv("KERNJAX_MLP_ROUND", "fast")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='fast': give cvt"):
+        mlp_hopper.int_round()
