@@ -26,8 +26,9 @@ read 0.825 ms at 8192 rows, the H200's rated 989 TFLOP/s on a ~1600 MHz machine)
 the same `silu_mul_f32` under Mosaic GPU's `approx_math` (exp as `ex2.approx`); `tanh`
 g·(0.5·tanh(g/2) + 0.5)·u under `approx_math` (`tanh.approx`, no division). The variants change
 the bits; `fused = apart` compares with `silu_mul_kernel` traced exact, so it says True for
-`exact` only. On an H200 (2026-12-04) `mul` took what `exact` took: the epilogue's arithmetic is
-not the gap, and `tanh` was slower in the program (`gpu_gate.sh ab`).
+`exact` only. On an H200 (2026-12-04) `mul` read what `exact` read (one reading each; a reading
+spreads ~8 %, more than silu's share of the kernel, ~2 % by the profile below), and `tanh` was
+slower in the program (`gpu_gate.sh ab`).
 
 A variant that read x's tile into registers once for gate and up (wgmma's A from registers)
 ran slower, alone and in the program (2026-12-04; `gemm`'s `regs_a` at `920948a`). Nsight Compute
