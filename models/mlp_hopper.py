@@ -68,7 +68,7 @@ def int_round() -> bool:
 
 
 # name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue; experiments/fused_mlp.py
-# times others in its place (roadmap K15, 2026-12-04: g·u alone no faster, a tanh form slower)
+# times others in its place (roadmap K15, 2026-12-04: a tanh form slower in the program)
 EPILOGUES = {"exact": (silu_mul_f32, False)}
 
 
@@ -138,8 +138,8 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     tile's epilogue), where the steps over K are a multiple of `steps` and every SM has two tiles
     or more; else a pipeline a tile. The same MMAs in the same order and the same epilogue: the
     same bits. rounding (fused only): "int" rounds gate and up to bfloat16 by `round_bf16`, "cvt"
-    (the default) by a conversion and back; the same bits into silu·mul. ctas: CTAs to run (default one an SM); interpret: Mosaic GPU's interpreter (both
-    for CPU tests)."""
+    (the default) by a conversion and back; the same bits into silu·mul. ctas: CTAs to run
+    (default one an SM); interpret: Mosaic GPU's interpreter (both for CPU tests)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 

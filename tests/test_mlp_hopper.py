@@ -197,7 +197,8 @@ def test_round_bf16_is_the_conversion_for_every_value_but_nan():
     even, gives the bits of a conversion to bfloat16 and back for 2^21 random bit patterns and
     the edges (ties, subnormals, the largest finite, infinities); a NaN stays a NaN."""
     rng = np.random.default_rng(0)
-    bits = np.concatenate([rng.integers(0, 2 ** 32, size=1 << 21, dtype=np.uint64).astype(np.uint32),
+    random = rng.integers(0, 2 ** 32, size=1 << 21, dtype=np.uint64).astype(np.uint32)
+    bits = np.concatenate([random,
                            np.array([0, 0x80000000, 1, 0x007FFFFF, 0x00008000, 0x00018000,
                                      0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
                                      0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF], np.uint32)])
