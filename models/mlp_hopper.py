@@ -61,10 +61,16 @@ def int_round() -> bool:
     conversion to bfloat16 and back (an A/B knob, default `cvt`; the same bits, NaN aside, which
     silu·mul makes the GPU's one NaN either way). Set it alike in every process of a cut, before
     a program is traced."""
-    value = os.environ.get("KERNJAX_MLP_ROUND", "cvt")
-    if value not in ("cvt", "int"):
-        raise ValueError(f"KERNJAX_MLP_ROUND={value!r}: give cvt (the default) or int")
-    return value == "int"
+    return _knob("KERNJAX_MLP_ROUND", "cvt", "int") == "int"
+
+
+def _knob(name: str, default: str, other: str) -> str:
+    """An A/B knob's value from the environment: `default` unless set, else `other`; any other
+    value refused, saying which two it takes."""
+    value = os.environ.get(name, default)
+    if value not in (default, other):
+        raise ValueError(f"{name}={value!r}: give {default} (the default) or {other}")
+    return value
 
 
 # name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue; experiments/fused_mlp.py
@@ -100,10 +106,7 @@ def across_tiles() -> bool:
     """`KERNJAX_MLP_ACROSS=1`: the GEMM's pipeline across each CTA's tiles with four steps (`gemm`'s
     `across`; roadmap K15), an A/B knob, default 0. It changes no bit, but set it alike in every
     process of a cut all the same, before a program is traced (jit keeps what it traced)."""
-    value = os.environ.get("KERNJAX_MLP_ACROSS", "0")
-    if value not in ("0", "1"):
-        raise ValueError(f"KERNJAX_MLP_ACROSS={value!r}: give 0 (the default) or 1")
-    return value == "1"
+    return _knob("KERNJAX_MLP_ACROSS", "0", "1") == "1"
 
 
 def _cta(t: dict) -> tuple[int, int]:

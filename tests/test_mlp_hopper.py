@@ -153,38 +153,39 @@ def test_one_pipeline_across_a_ctas_tiles_gives_the_bits_of_one_a_tile(ctas):
     assert bool(jnp.array_equal(outs[True][0], mlp_hopper.silu_mul_f32(g, u)))
 
 
+def _same_kernel():
+    """experiments/same_kernel.py: the MLP's kernels as the model's calls lower them, for an H200
+    (`mlp_modules`), and any lowering's Mosaic modules without locations (`modules_of`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
+    import same_kernel
+
+    return same_kernel
+
+
 def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply(monkeypatch):
     """`KERNJAX_MLP_ACROSS=1`: the fused GEMM and the GEMM apart take four steps and one pipeline
     across a CTA's tiles, the silu·mul kernel apart is untouched; where the steps over K are not
     a multiple of four or an SM would get one tile, the kernel is the pipeline a tile's; a value
     it does not know is refused, saying which it takes."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-    from same_kernel import modules_of
     from models.attention_hopper import on_h200
 
+    sk = _same_kernel()
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-
-    def module(fn, *args):  # a new function each time: jit would keep an earlier trace
-        return modules_of(on_h200(lambda *a: fn(*a), *args, num_cores=132))
-
-    def calls(rows):
-        x, w, g = S((rows, 2560), bf), S((9728, 2560), bf), S((rows, 9728), bf)
-        return [module(mlp_hopper.fused_call, x, w, w), module(mlp_hopper.gate_up_call, x, w, w),
-                module(mlp_hopper.silu_mul_call, g, g)]
-
     assert mlp_hopper.across_tiles() is False
-    default = calls(8192)
+    default = sk.mlp_modules(mlp_hopper, 8192)
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "1")
     assert mlp_hopper.tiling(8192)["across"] and mlp_hopper.tiling(8192)["steps"] == 4
-    knob = calls(8192)
-    assert knob[0] != default[0] and knob[1] != default[1] and knob[2] == default[2]
+    knob = sk.mlp_modules(mlp_hopper, 8192)
+    assert knob["fused"] != default["fused"] and knob["gate_up"] != default["gate_up"]
+    assert knob["silu_mul"] == default["silu_mul"]
     for rows, k in [(128, 2560), (8192, 2624)]:  # 76 tiles, under two an SM; 41 steps over K
         x, w = S((rows, k), bf), S((9728, k), bf)
         t = mlp_hopper.tiling(rows)
-        both = [module(functools.partial(mlp_hopper.gemm, fused=True, **kw), x, w, w)
+        both = [sk.modules_of(on_h200(functools.partial(mlp_hopper.gemm, fused=True, **kw),
+                                      x, w, w, num_cores=132))
                 for kw in (t, dict(t, across=False))]
         assert both[0] == both[1], (rows, k)
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
@@ -223,26 +224,12 @@ def test_the_fused_gemm_rounding_by_integers_gives_the_conversions_bits():
 def test_the_round_knob_changes_the_fused_gemm_alone(monkeypatch):
     """`KERNJAX_MLP_ROUND=int` changes the fused GEMM's module and neither the GEMM apart nor the
     silu·mul kernel; a value it does not know is refused, saying which it takes."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-    from same_kernel import modules_of
-    from models.attention_hopper import on_h200
-
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    x, w, g = S((8192, 2560), bf), S((9728, 2560), bf), S((8192, 9728), bf)
-
-    def calls():
-        return [modules_of(on_h200(lambda *a, fn=fn: fn(*a), *args, num_cores=132))
-                for fn, args in [(mlp_hopper.fused_call, (x, w, w)),
-                                 (mlp_hopper.gate_up_call, (x, w, w)),
-                                 (mlp_hopper.silu_mul_call, (g, g))]]
-
-    default = calls()
+    sk = _same_kernel()
+    default = sk.mlp_modules(mlp_hopper, 8192)
     monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
-    knob = calls()
-    assert knob[0] != default[0] and knob[1:] == default[1:]
+    knob = sk.mlp_modules(mlp_hopper, 8192)
+    assert knob["fused"] != default["fused"]
+    assert knob["gate_up"] == default["gate_up"] and knob["silu_mul"] == default["silu_mul"]
     monkeypatch.setenv("KERNJAX_MLP_ROUND", "fast")
     with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='fast': give cvt"):
         mlp_hopper.int_round()
