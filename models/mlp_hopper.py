@@ -49,19 +49,62 @@ def round_bf16(v):
     """float32 `v` rounded to bfloat16's nearest (ties to even), kept in float32: the bits of
     `v.astype(bfloat16).astype(float32)` for every value, NaN kept a NaN. Integer operations at
     the ALU's rate, where the conversion instruction (F2F) runs on the GPU's quarter-rate pipe:
-    in the fused GEMM's epilogue it rounds gate and up before silu·mul (`KERNJAX_MLP_ROUND=int`,
+    in the fused GEMM's epilogue it can round gate and up before silu·mul (`gemm(rounding="int")`,
     roadmap K15)."""
     b = lax.bitcast_convert_type(v, jnp.uint32)
     r = (b + (jnp.uint32(0x7FFF) + ((b >> 16) & jnp.uint32(1)))) & jnp.uint32(0xFFFF0000)
     return jnp.where(v != v, v, lax.bitcast_convert_type(r, jnp.float32))
 
 
-def int_round() -> bool:
-    """`KERNJAX_MLP_ROUND=int`: the fused GEMM rounds gate and up with `round_bf16` rather than a
-    conversion to bfloat16 and back (an A/B knob, default `cvt`; the same bits, NaN aside, which
-    silu·mul makes the GPU's one NaN either way). Set it alike in every process of a cut, before
-    a program is traced."""
-    return _knob("KERNJAX_MLP_ROUND", "cvt", "int") == "int"
+def round_pair(g, u):
+    """Gate and up (float32 tiles of the fused GEMM's accumulators) rounded to bfloat16's nearest,
+    ties to even, kept in float32: one packed conversion (`cvt.rn.bf16x2.f32`, F2FP) for each
+    pair of a gate and an up value, where `.astype` issues one quarter-rate F2F for each value
+    (roadmap K15), and two integer operations to take each half out. The bits of
+    `v.astype(bfloat16).astype(float32)` for every value but NaN, which stays a NaN (and which
+    silu·mul makes the GPU's one NaN either way). Mosaic GPU only: inline PTX, which the
+    interpreter does not run."""
+    import jax.experimental.mosaic.gpu as mgpu
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    import numpy as np
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.dialects import arith, llvm, vector
+
+    layout = plgpu.Layout.WGMMA
+    out = plgpu.ShapeDtypeStruct(g.shape, jnp.float32, layout=layout)
+
+    @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=(out, out))
+    def pack(_, g, u):
+        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
+        high, sixteen = arith.constant(i32, -0x10000), arith.constant(i32, 16)
+        gs, us = np.empty_like(g.registers), np.empty_like(u.registers)
+        for at, g_reg in np.ndenumerate(g.registers):
+            u_reg = u.registers[at]
+            g_out, u_out = [], []
+            for i in range(ir.VectorType(g_reg.type).shape[0]):
+                # d's high half is the first operand rounded, its low half the second
+                d = llvm.inline_asm(i32, [vector.extract(g_reg, [], [i]),
+                                          vector.extract(u_reg, [], [i])],
+                                    "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
+                g_out.append(arith.bitcast(f32, arith.andi(d, high)))
+                u_out.append(arith.bitcast(f32, arith.shli(d, sixteen)))
+            gs[at] = vector.from_elements(g_reg.type, g_out)
+            us[at] = vector.from_elements(u_reg.type, u_out)
+        return (mgpu.FragmentedArray(_registers=gs, _layout=g.layout, _is_signed=None),
+                mgpu.FragmentedArray(_registers=us, _layout=u.layout, _is_signed=None))
+
+    return pack(g, u)
+
+
+ROUNDINGS = ("cvt", "int", "pack")  # gemm's `rounding`: how the fused epilogue rounds gate and up
+
+
+def packed_round() -> bool:
+    """`KERNJAX_MLP_ROUND`: `pack` (the default) rounds the fused GEMM's gate and up with
+    `round_pair`, `cvt` with a conversion to bfloat16 and back for each value (an A/B knob; the
+    same bits, NaN aside, which silu·mul makes the GPU's one NaN either way). Set it alike in
+    every process of a cut, before a program is traced."""
+    return _knob("KERNJAX_MLP_ROUND", "pack", "cvt") == "pack"
 
 
 def _knob(name: str, default: str, other: str) -> str:
@@ -90,15 +133,14 @@ def tiling(rows: int) -> dict:
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
     `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
-    `KERNJAX_MLP_ROUND=int` (`int_round`): the fused epilogue's rounding by integers."""
+    `KERNJAX_MLP_ROUND` (`packed_round`): how the fused epilogue rounds gate and up."""
     if rows <= 2048:
         t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
     if across_tiles():
         t.update(steps=4, across=True)
-    if int_round():
-        t.update(rounding="int")
+    t.update(rounding="pack" if packed_round() else "cvt")
     return t
 
 
@@ -140,8 +182,9 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     pipelines: the producer loads the next tile's first steps while the warpgroups run this
     tile's epilogue), where the steps over K are a multiple of `steps` and every SM has two tiles
     or more; else a pipeline a tile. The same MMAs in the same order and the same epilogue: the
-    same bits. rounding (fused only): "int" rounds gate and up to bfloat16 by `round_bf16`, "cvt"
-    (the default) by a conversion and back; the same bits into silu·mul. ctas: CTAs to run
+    same bits. rounding (fused only; the same bits into silu·mul): "cvt" (here the default) rounds
+    gate and up to bfloat16 by a conversion and back, "pack" (the model's) by `round_pair`, "int"
+    by `round_bf16`. ctas: CTAs to run
     (default one an SM); interpret: Mosaic GPU's interpreter (both for CPU tests)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -150,6 +193,8 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     f = wg.shape[0]
     half = tile_n // 2
     cta_m, cta_n = _cta(dict(tile_m=tile_m, tile_n=tile_n, wg_n=wg_n))
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r}: give one of {', '.join(ROUNDINGS)}")
     if m % cta_m or k % tile_k or f % cta_n or half % EPI:
         raise ValueError(f"rows {m}, K {k}, F {f}: tiles {cta_m} x {cta_n} x {tile_k} do not divide")
     swz = plgpu.find_swizzle(tile_k * 16)
@@ -201,8 +246,9 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
                         slot = 0
                         for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
                             at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
-                            if fused and rounding == "int":
-                                g, u = round_bf16(g_all[at]), round_bf16(u_all[at])
+                            if fused and rounding != "cvt":
+                                g, u = (round_pair(g_all[at], u_all[at]) if rounding == "pack"
+                                        else (round_bf16(g_all[at]), round_bf16(u_all[at])))
                                 parts = [silu_mul(g, u).astype(x.dtype)]
                             else:
                                 g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)

@@ -194,7 +194,7 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
 
 
 def test_round_bf16_is_the_conversion_for_every_value_but_nan():
-    """`round_bf16` (`KERNJAX_MLP_ROUND=int`): integer rounding to bfloat16's nearest, ties to
+    """`round_bf16` (`gemm(rounding="int")`): integer rounding to bfloat16's nearest, ties to
     even, gives the bits of a conversion to bfloat16 and back for 2^21 random bit patterns and
     the edges (ties, subnormals, the largest finite, infinities); a NaN stays a NaN."""
     rng = np.random.default_rng(0)
@@ -222,14 +222,24 @@ def test_the_fused_gemm_rounding_by_integers_gives_the_conversions_bits():
 
 
 def test_the_round_knob_changes_the_fused_gemm_alone(monkeypatch):
-    """`KERNJAX_MLP_ROUND=int` changes the fused GEMM's module and neither the GEMM apart nor the
-    silu·mul kernel; a value it does not know is refused, saying which it takes."""
+    """`KERNJAX_MLP_ROUND`: `pack` (the default) rounds the fused GEMM's gate and up in pairs,
+    one `cvt.rn.bf16x2.f32` for each gate and up value of a thread (32 a 64 x 64 tile, two
+    tiles a warpgroup at 8192 rows), `cvt` with a conversion each; the knob changes the fused
+    GEMM's module and neither the GEMM apart nor the silu·mul kernel; a value it does not know is
+    refused, saying which it takes, and so is a rounding `gemm` does not know."""
     sk = _same_kernel()
+    assert mlp_hopper.packed_round() and mlp_hopper.tiling(8192)["rounding"] == "pack"
     default = sk.mlp_modules(mlp_hopper, 8192)
-    monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
+    assert default["fused"].count("cvt.rn.bf16x2.f32") == 64
+    monkeypatch.setenv("KERNJAX_MLP_ROUND", "cvt")
     knob = sk.mlp_modules(mlp_hopper, 8192)
-    assert knob["fused"] != default["fused"]
+    assert knob["fused"] != default["fused"] and "cvt.rn.bf16x2.f32" not in knob["fused"]
     assert knob["gate_up"] == default["gate_up"] and knob["silu_mul"] == default["silu_mul"]
-    monkeypatch.setenv("KERNJAX_MLP_ROUND", "fast")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='fast': give cvt"):
-        mlp_hopper.int_round()
+    monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='int': give pack"):
+        mlp_hopper.packed_round()
+    monkeypatch.delenv("KERNJAX_MLP_ROUND")
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    with pytest.raises(ValueError, match="rounding 'even': give one of cvt, int, pack"):
+        mlp_hopper.gemm(S((8192, 2560), bf), S((9728, 2560), bf), S((9728, 2560), bf),
+                        fused=True, **dict(mlp_hopper.tiling(8192), rounding="even"))
