@@ -99,11 +99,11 @@ def config(text: str) -> tuple[str, dict]:
     tm, tn, tk, steps, *rest = text.split(",")
     wgs, minor, width, pipe, rnd = rest + ["M", "N", "1", "T", "C"][len(rest):]
     rounding = {"C": "cvt", "I": "int", "P": "pack"}.get(rnd, "cvt")
-    name = (f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}" + (" across" if pipe == "X" else "")
-            + f" {rounding}")
+    name = (f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}"
+            + {"X": " across", "P": " pingpong"}.get(pipe, "") + f" {rounding}")
     return name, dict(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), steps=int(steps),
                       wg_n=wgs == "N", minor="MN".index(minor), width=int(width),
-                      across=pipe == "X", rounding=rounding)
+                      across=pipe == "X", pingpong=pipe == "P", rounding=rounding)
 
 
 def for_h200(fn, *args) -> str:
@@ -123,7 +123,8 @@ def main() -> None:
                          "or one above the other (M, the default); tiles ordered by "
                          "plgpu.planar_snake along `minor` (M or N, default N), `width` tiles "
                          "wide (default 1); pipe X: one pipeline across a CTA's tiles "
-                         "(mlp_hopper.gemm's `across`), T (the default) one a tile; round: how "
+                         "(mlp_hopper.gemm's `across`), P each warpgroup on tiles of its own, in turns "
+                         "(`gemm_pingpong`; wgs N), T (the default) one a tile; round: how "
                          "the fused epilogue rounds gate and up, C (the default) by a conversion "
                          "each (`rounding='cvt'`), P by packed conversions ('pack', the model's), "
                          "I by integers ('int'); "

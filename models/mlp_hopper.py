@@ -100,11 +100,19 @@ ROUNDINGS = ("cvt", "int", "pack")  # gemm's `rounding`: how the fused epilogue 
 
 
 def packed_round() -> bool:
-    """`KERNJAX_MLP_ROUND`: `pack` (the default) rounds the fused GEMM's gate and up with
-    `round_pair`, `cvt` with a conversion to bfloat16 and back for each value (an A/B knob; the
-    same bits, NaN aside, which silu·mul makes the GPU's one NaN either way). Set it alike in
-    every process of a cut, before a program is traced."""
-    return _knob("KERNJAX_MLP_ROUND", "pack", "cvt") == "pack"
+    """`KERNJAX_MLP_ROUND=pack`: the fused GEMM rounds gate and up with `round_pair`, where `cvt`
+    (the default) converts each value to bfloat16 and back (an A/B knob; the same bits, NaN
+    aside, which silu·mul makes the GPU's one NaN either way; in the 8k program within 0.1 ms
+    of `cvt`, 2026-12-04). Set it alike in every process of a cut, before a program is traced."""
+    return _knob("KERNJAX_MLP_ROUND", "cvt", "pack") == "pack"
+
+
+def pingpong() -> bool:
+    """`KERNJAX_MLP_PINGPONG=0`: above 2048 rows the fused GEMM and the GEMM apart run `gemm`'s
+    pipeline shared by both warpgroups rather than `gemm_pingpong` (the default, 1). The same
+    bits either way; an A/B knob: set it alike in every process of a cut, before a program is
+    traced."""
+    return _knob("KERNJAX_MLP_PINGPONG", "1", "0") == "1"
 
 
 def _knob(name: str, default: str, other: str) -> str:
@@ -138,7 +146,9 @@ def tiling(rows: int) -> dict:
         t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
-    if across_tiles():
+    if rows > 2048 and pingpong():
+        t.update(pingpong=True)
+    elif across_tiles():
         t.update(steps=4, across=True)
     t.update(rounding="pack" if packed_round() else "cvt")
     return t
@@ -171,7 +181,7 @@ def fits(x, wg, wu) -> bool:
 
 def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps: int,
          wg_n: bool, minor: int, width: int, across: bool = False, ctas: int | None = None,
-         rounding: str = "cvt", interpret=None):
+         rounding: str = "cvt", pingpong: bool = False, interpret=None):
     """x [M, K] times gate and up [F, K] (as stored) on Hopper. Each compute warpgroup of a CTA
     takes tile_m rows by tile_n / 2 columns of gate and the same of up; the CTA's two side by
     side (wg_n) or one above the other; tiles in `plgpu.planar_snake` order (minor 0 rows, 1
@@ -185,10 +195,18 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     same bits. rounding (fused only; the same bits into silu·mul): "cvt" (here the default) rounds
     gate and up to bfloat16 by a conversion and back, "pack" (the model's) by `round_pair`, "int"
     by `round_bf16`. ctas: CTAs to run
-    (default one an SM); interpret: Mosaic GPU's interpreter (both for CPU tests)."""
+    (default one an SM); interpret: Mosaic GPU's interpreter (both for CPU tests). pingpong:
+    `gemm_pingpong`'s schedule, each warpgroup on its own tile_m x tile_n / 2 tiles (the same
+    bits; `across` does not apply)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if pingpong:
+        if not wg_n:
+            raise ValueError("pingpong takes the tiling of two warpgroups side by side (wg_n)")
+        return gemm_pingpong(x, wg, wu, fused=fused, tile_m=tile_m, half=tile_n // 2,
+                             tile_k=tile_k, steps=steps, minor=minor, width=width, ctas=ctas,
+                             rounding=rounding, interpret=interpret)
     m, k = x.shape
     f = wg.shape[0]
     half = tile_n // 2
@@ -284,6 +302,147 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
 
     return plgpu.kernel(
         body, out_type=[jax.ShapeDtypeStruct((m, f), x.dtype)] * outs,
+        grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),
+        **({"interpret": interpret} if interpret is not None else {}))(x, wg, wu)
+
+
+def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
+                  tile_k: int = 64, steps: int = 3, minor: int = 0, width: int = 8,
+                  ctas: int | None = None, rounding: str = "cvt", interpret=None):
+    """`gemm`'s products (the same MMAs in the same order, the same epilogue: the same bits) with
+    its two compute warpgroups on different tiles, taken in turn (roadmap K15, "ping-pong"):
+    each warpgroup computes tile_m rows by `half` columns of gate and the same of up, from a
+    ring of `steps` stages of its own, while the other runs its epilogue; one memory
+    warpgroup loads the CTA's tiles in order, the first into the first warpgroup's ring, the
+    next into the second's. In `gemm` both warpgroups share each tile and run its epilogue at
+    once, while the tensor cores wait. A warpgroup keeps one step's MMAs in flight while it
+    issues the next. Tiles in `plgpu.planar_snake` order (minor 0 rows, 1 columns, `width`
+    tiles wide), the CTA's i-th tile the (sm + i·ctas)-th."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    m, k = x.shape
+    f = wg.shape[0]
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding {rounding!r}: give one of {', '.join(ROUNDINGS)}")
+    if m % tile_m or k % tile_k or f % half or half % EPI or tile_m % EPI:
+        raise ValueError(f"rows {m}, K {k}, F {f}: tiles {tile_m} x {half} x {tile_k} do not divide")
+    swz = plgpu.find_swizzle(tile_k * 16)
+    tr = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
+    out_swz = plgpu.find_swizzle(EPI * 16)
+    out_tr = (plgpu.TilingTransform((8, out_swz // 2)), plgpu.SwizzleTransform(out_swz))
+    m_tiles, n_tiles, k_steps = m // tile_m, f // half, k // tile_k
+    outs = 1 if fused else 2
+    silu_mul, approx = epilogue()
+    ctas = ctas or sm_count()
+    bf = x.dtype
+
+    def body(x_gmem, g_gmem, u_gmem, *out_gmem):
+        @functools.partial(
+            pl.run_scoped,
+            a_smem=plgpu.SMEM((2 * steps, tile_m, tile_k), bf, transforms=tr),
+            g_smem=plgpu.SMEM((2 * steps, half, tile_k), bf, transforms=tr),
+            u_smem=plgpu.SMEM((2 * steps, half, tile_k), bf, transforms=tr),
+            out_smem=plgpu.SMEM((2, 2, EPI, EPI), bf, transforms=out_tr),
+            full=plgpu.Barrier(num_arrivals=3, num_barriers=2 * steps),
+            empty=plgpu.Barrier(num_arrivals=1, num_barriers=2 * steps),
+            collective_axes="wg")
+        def scope(a_smem, g_smem, u_smem, out_smem, full, empty):
+            wg = lax.axis_index("wg")
+            sm = lax.axis_index("sm")
+            local = (m_tiles * n_tiles - sm + ctas - 1) // ctas  # this CTA's tiles
+
+            def where(i):
+                """The CTA's i-th tile: its rows and columns."""
+                mi, ni = plgpu.planar_snake(sm + i * ctas, (m_tiles, n_tiles), minor, width)
+                return pl.ds(mi * tile_m, tile_m), ni
+
+            @pl.when(wg == 2)
+            def _memory():
+                plgpu.set_max_registers(40, action="decrease")
+
+                @pl.loop(0, local)
+                def _tile(i):
+                    rows, ni = where(i)
+                    cols = pl.ds(ni * half, half)
+
+                    @pl.loop(0, k_steps)
+                    def _step(kk):
+                        q = (i // 2) * k_steps + kk  # this ring's step
+                        at = (i % 2) * steps + q % steps
+
+                        @pl.when(q >= steps)
+                        def _():
+                            plgpu.barrier_wait(empty.at[at])
+
+                        ks = pl.ds(kk * tile_k, tile_k)
+                        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], a_smem.at[at], full.at[at])
+                        plgpu.copy_gmem_to_smem(g_gmem.at[cols, ks], g_smem.at[at], full.at[at])
+                        plgpu.copy_gmem_to_smem(u_gmem.at[cols, ks], u_smem.at[at], full.at[at])
+
+                for ring in range(2):  # the last stages' releases, not waited for above
+                    total = (local - ring + 1) // 2 * k_steps
+
+                    @pl.loop(jnp.maximum(total - steps, 0), total)
+                    def _release(q):
+                        plgpu.barrier_wait(empty.at[ring * steps + q % steps])
+
+            @pl.when(wg < 2)
+            def _compute():
+                plgpu.set_max_registers(232, action="increase")
+
+                @pl.loop(0, (local - wg + 1) // 2)
+                def _tile(j):
+                    rows, ni = where(wg + 2 * j)
+
+                    @functools.partial(pl.run_scoped,
+                                       g_acc=plgpu.ACC((tile_m, half), jnp.float32),
+                                       u_acc=plgpu.ACC((tile_m, half), jnp.float32))
+                    def acc_scope(g_acc, u_acc):
+                        slot = lambda kk: wg * steps + (j * k_steps + kk) % steps  # noqa: E731
+
+                        @pl.loop(0, k_steps)
+                        def _step(kk):
+                            at = slot(kk)
+                            plgpu.barrier_wait(full.at[at])
+                            plgpu.wgmma(g_acc, a_smem.at[at], g_smem.at[at].transpose((1, 0)))
+                            plgpu.wgmma(u_acc, a_smem.at[at], u_smem.at[at].transpose((1, 0)))
+                            plgpu.wgmma_wait(2)  # the last step's MMAs are done: free its stage
+
+                            @pl.when(kk > 0)
+                            def _():
+                                plgpu.barrier_arrive(empty.at[slot(kk - 1)])
+
+                        plgpu.wgmma_wait(0)
+                        plgpu.barrier_arrive(empty.at[slot(k_steps - 1)])
+                        g_all, u_all = g_acc[...], u_acc[...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out = 0
+                        for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
+                            at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
+                            if fused and rounding != "cvt":
+                                g, u = (round_pair(g_all[at], u_all[at]) if rounding == "pack"
+                                        else (round_bf16(g_all[at]), round_bf16(u_all[at])))
+                                parts = [silu_mul(g, u).astype(bf)]
+                            else:
+                                g, u = g_all[at].astype(bf), u_all[at].astype(bf)
+                                parts = [silu_mul(g, u)] if fused else [g, u]
+                            for o, part in enumerate(parts):
+                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                                out_smem[wg, out] = part
+                                plgpu.commit_smem()
+                                plgpu.copy_smem_to_gmem(
+                                    out_smem.at[wg, out],
+                                    out_gmem[o].at[rows].at[at[0]]
+                                    .at[:, pl.ds(ni * half + c * EPI, EPI)])
+                                out ^= 1
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    return plgpu.kernel(
+        body, out_type=[jax.ShapeDtypeStruct((m, f), bf)] * outs,
         grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),

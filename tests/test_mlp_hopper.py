@@ -174,6 +174,7 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
 
     sk = _same_kernel()
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "0")  # which comes first above 2048 rows
     assert mlp_hopper.across_tiles() is False
     default = sk.mlp_modules(mlp_hopper, 8192)
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "1")
@@ -222,24 +223,87 @@ def test_the_fused_gemm_rounding_by_integers_gives_the_conversions_bits():
 
 
 def test_the_round_knob_changes_the_fused_gemm_alone(monkeypatch):
-    """`KERNJAX_MLP_ROUND`: `pack` (the default) rounds the fused GEMM's gate and up in pairs,
-    one `cvt.rn.bf16x2.f32` for each gate and up value of a thread (32 a 64 x 64 tile, two
-    tiles a warpgroup at 8192 rows), `cvt` with a conversion each; the knob changes the fused
-    GEMM's module and neither the GEMM apart nor the silu·mul kernel; a value it does not know is
-    refused, saying which it takes, and so is a rounding `gemm` does not know."""
+    """`KERNJAX_MLP_ROUND=pack` rounds the fused GEMM's gate and up in pairs, one
+    `cvt.rn.bf16x2.f32` for a gate and an up value of a thread (32 a 64 x 64 tile, two tiles a
+    warpgroup at 8192 rows), where `cvt` (the default) converts each; the knob changes the
+    fused GEMM's module and neither the GEMM apart nor the silu·mul kernel; a value it does not
+    know is refused, saying which it takes, and so is a rounding `gemm` does not know."""
     sk = _same_kernel()
-    assert mlp_hopper.packed_round() and mlp_hopper.tiling(8192)["rounding"] == "pack"
+    assert not mlp_hopper.packed_round() and mlp_hopper.tiling(8192)["rounding"] == "cvt"
     default = sk.mlp_modules(mlp_hopper, 8192)
-    assert default["fused"].count("cvt.rn.bf16x2.f32") == 64
-    monkeypatch.setenv("KERNJAX_MLP_ROUND", "cvt")
+    assert "cvt.rn.bf16x2.f32" not in default["fused"]
+    monkeypatch.setenv("KERNJAX_MLP_ROUND", "pack")
     knob = sk.mlp_modules(mlp_hopper, 8192)
-    assert knob["fused"] != default["fused"] and "cvt.rn.bf16x2.f32" not in knob["fused"]
+    assert knob["fused"].count("cvt.rn.bf16x2.f32") == 64
     assert knob["gate_up"] == default["gate_up"] and knob["silu_mul"] == default["silu_mul"]
     monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='int': give pack"):
+    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='int': give cvt"):
         mlp_hopper.packed_round()
     monkeypatch.delenv("KERNJAX_MLP_ROUND")
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     with pytest.raises(ValueError, match="rounding 'even': give one of cvt, int, pack"):
         mlp_hopper.gemm(S((8192, 2560), bf), S((9728, 2560), bf), S((9728, 2560), bf),
                         fused=True, **dict(mlp_hopper.tiling(8192), rounding="even"))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter runs on the CPU")
+@pytest.mark.parametrize("ctas", [2, 3])
+def test_the_warpgroups_on_tiles_of_their_own_give_the_bits_of_the_shared_pipeline(ctas):
+    """`gemm_pingpong` (roadmap K15): each compute warpgroup takes every other tile of its CTA
+    from a ring of its own, in Mosaic GPU's interpreter with its race detector; here 16 tiles
+    of 64 x 64 over 2 CTAs (4 a warpgroup) or 3 (6, 5 and 5 tiles: a warpgroup with one more
+    than the other). Fused and apart it writes the bits `gemm`'s shared pipeline writes."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+
+    x, wg, wu, _ = _gemm_in_the_interpreter(True, across=False, ctas=2)
+    for fused in (True, False):
+        shared = _gemm_in_the_interpreter(fused, across=False, ctas=2)[3]
+        own = mlp_hopper.gemm(x, wg, wu, fused=fused, tile_m=64, tile_n=128, tile_k=64, steps=2,
+                              wg_n=True, minor=1, width=1, ctas=ctas, pingpong=True,
+                              interpret=plgpu.InterpretGPUParams(detect_races=True))
+        jax.block_until_ready(own)
+        assert not ipc.get_races().races_found, "the race detector found a race (printed above)"
+        assert len(own) == len(shared)
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(own, shared))
+
+
+def test_the_pingpong_knob_is_the_default_above_2048_rows(monkeypatch):
+    """`KERNJAX_MLP_PINGPONG`: above 2048 rows the fused GEMM and the GEMM apart run
+    `gemm_pingpong` (a kernel with its own barriers: no module of the shared pipeline's), at
+    2048 rows and under `KERNJAX_MLP_PINGPONG=0` the shared pipeline; a value it does not know is
+    refused, saying which it takes."""
+    sk = _same_kernel()
+    assert mlp_hopper.tiling(8192).get("pingpong") and not mlp_hopper.tiling(2048).get("pingpong")
+    default = sk.mlp_modules(mlp_hopper, 8192)
+    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "0")
+    assert not mlp_hopper.tiling(8192).get("pingpong")
+    shared = sk.mlp_modules(mlp_hopper, 8192)
+    assert default["fused"] != shared["fused"] and default["gate_up"] != shared["gate_up"]
+    assert default["silu_mul"] == shared["silu_mul"]
+    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "on")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_PINGPONG='on': give 1"):
+        mlp_hopper.pingpong()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the kernels on the GPU")
+@pytest.mark.parametrize("rows", [8192, 2176])
+def test_pingpong_on_the_gpu_gives_the_bits_of_the_shared_pipeline(rows):
+    """On the GPU, at qwen3-4b's MLP shapes: `gemm_pingpong` (the model's above 2048 rows) writes
+    the bits of `gemm`'s shared pipeline, fused and apart, at 8192 rows (9728 tiles, 73 or 74 an
+    SM) and 2176 (2584: 19 or 20), and the fused product is `silu_mul_f32` of gate and up apart."""
+    ks = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(ks[0], (rows, 2560), jnp.float32).astype(jnp.bfloat16)
+    wg, wu = ((0.02 * jax.random.normal(kk, (9728, 2560), jnp.float32)).astype(jnp.bfloat16)
+              for kk in ks[1:])
+    t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
+    for fused in (True, False):
+        shared = jax.jit(functools.partial(mlp_hopper.gemm, fused=fused, **t))(x, wg, wu)
+        own = jax.jit(functools.partial(mlp_hopper.gemm, fused=fused, pingpong=True, **t))(
+            x, wg, wu)
+        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(own, shared)), (rows, fused)
+        if not fused:
+            assert bool(jnp.array_equal(
+                jax.jit(mlp_hopper.gemm, static_argnames=tuple(t) + ("fused", "pingpong"))(
+                    x, wg, wu, fused=True, pingpong=True, **t)[0],
+                jax.jit(mlp_hopper.silu_mul_f32)(*own)))
