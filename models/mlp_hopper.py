@@ -147,7 +147,7 @@ def tiling(rows: int) -> dict:
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
     if rows > 2048 and pingpong():
-        t.update(pingpong=True)
+        t.update(pingpong=True, steps=5)
     elif across_tiles():
         t.update(steps=4, across=True)
     t.update(rounding="pack" if packed_round() else "cvt")
@@ -309,17 +309,21 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
 
 
 def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
-                  tile_k: int = 64, steps: int = 3, minor: int = 0, width: int = 8,
+                  tile_k: int = 64, steps: int = 5, minor: int = 0, width: int = 8,
                   ctas: int | None = None, rounding: str = "cvt", interpret=None):
     """`gemm`'s products (the same MMAs in the same order, the same epilogue: the same bits) with
     its two compute warpgroups on different tiles, taken in turn (roadmap K15, "ping-pong"):
-    each warpgroup computes tile_m rows by `half` columns of gate and the same of up, from a
-    ring of `steps` stages of its own, while the other runs its epilogue; one memory
-    warpgroup loads the CTA's tiles in order, the first into the first warpgroup's ring, the
-    next into the second's. In `gemm` both warpgroups share each tile and run its epilogue at
-    once, while the tensor cores wait. A warpgroup keeps one step's MMAs in flight while it
-    issues the next. Tiles in `plgpu.planar_snake` order (minor 0 rows, 1 columns, `width`
-    tiles wide), the CTA's i-th tile the (sm + i·ctas)-th."""
+    each warpgroup computes tile_m rows by `half` columns of gate and the same of up while the
+    other runs its epilogue. One memory warpgroup loads the CTA's tiles in order into one ring
+    of `steps` stages; the first warpgroup takes the CTA's even tiles, the second its odd ones.
+    In `gemm` both warpgroups share each tile and run its epilogue at once, while the tensor
+    cores wait. A warpgroup keeps one step's MMAs in flight while it issues the next. Tiles in
+    `plgpu.planar_snake` order (minor 0 rows, 1 columns, `width` tiles wide), the CTA's i-th
+    tile the (sm + i·ctas)-th.
+
+    A barrier's phase is tracked by its parity in each thread that waits on it: a warpgroup
+    skips the phases of the other's tile, so each tile must hold an even number of phases a
+    stage (the steps over K an even multiple of `steps`)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -329,11 +333,14 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
         raise ValueError(f"rounding {rounding!r}: give one of {', '.join(ROUNDINGS)}")
     if m % tile_m or k % tile_k or f % half or half % EPI or tile_m % EPI:
         raise ValueError(f"rows {m}, K {k}, F {f}: tiles {tile_m} x {half} x {tile_k} do not divide")
+    m_tiles, n_tiles, k_steps = m // tile_m, f // half, k // tile_k
+    if k_steps % (2 * steps):
+        raise ValueError(f"K {k}: {k_steps} steps of {tile_k}, not an even multiple of {steps} "
+                         "stages (each warpgroup skips the other's phases)")
     swz = plgpu.find_swizzle(tile_k * 16)
     tr = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
     out_swz = plgpu.find_swizzle(EPI * 16)
     out_tr = (plgpu.TilingTransform((8, out_swz // 2)), plgpu.SwizzleTransform(out_swz))
-    m_tiles, n_tiles, k_steps = m // tile_m, f // half, k // tile_k
     outs = 1 if fused else 2
     silu_mul, approx = epilogue()
     ctas = ctas or sm_count()
@@ -342,12 +349,12 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
     def body(x_gmem, g_gmem, u_gmem, *out_gmem):
         @functools.partial(
             pl.run_scoped,
-            a_smem=plgpu.SMEM((2 * steps, tile_m, tile_k), bf, transforms=tr),
-            g_smem=plgpu.SMEM((2 * steps, half, tile_k), bf, transforms=tr),
-            u_smem=plgpu.SMEM((2 * steps, half, tile_k), bf, transforms=tr),
+            a_smem=plgpu.SMEM((steps, tile_m, tile_k), bf, transforms=tr),
+            g_smem=plgpu.SMEM((steps, half, tile_k), bf, transforms=tr),
+            u_smem=plgpu.SMEM((steps, half, tile_k), bf, transforms=tr),
             out_smem=plgpu.SMEM((2, 2, EPI, EPI), bf, transforms=out_tr),
-            full=plgpu.Barrier(num_arrivals=3, num_barriers=2 * steps),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=2 * steps),
+            full=plgpu.Barrier(num_arrivals=3, num_barriers=steps),
+            empty=plgpu.Barrier(num_arrivals=1, num_barriers=steps),
             collective_axes="wg")
         def scope(a_smem, g_smem, u_smem, out_smem, full, empty):
             wg = lax.axis_index("wg")
@@ -370,10 +377,9 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
 
                     @pl.loop(0, k_steps)
                     def _step(kk):
-                        q = (i // 2) * k_steps + kk  # this ring's step
-                        at = (i % 2) * steps + q % steps
+                        at = kk % steps
 
-                        @pl.when(q >= steps)
+                        @pl.when(i * k_steps + kk >= steps)
                         def _():
                             plgpu.barrier_wait(empty.at[at])
 
@@ -382,12 +388,11 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
                         plgpu.copy_gmem_to_smem(g_gmem.at[cols, ks], g_smem.at[at], full.at[at])
                         plgpu.copy_gmem_to_smem(u_gmem.at[cols, ks], u_smem.at[at], full.at[at])
 
-                for ring in range(2):  # the last stages' releases, not waited for above
-                    total = (local - ring + 1) // 2 * k_steps
+                total = local * k_steps  # the last stages' releases, not waited for above
 
-                    @pl.loop(jnp.maximum(total - steps, 0), total)
-                    def _release(q):
-                        plgpu.barrier_wait(empty.at[ring * steps + q % steps])
+                @pl.loop(jnp.maximum(total - steps, 0), total)
+                def _release(q):
+                    plgpu.barrier_wait(empty.at[q % steps])
 
             @pl.when(wg < 2)
             def _compute():
@@ -401,11 +406,9 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
                                        g_acc=plgpu.ACC((tile_m, half), jnp.float32),
                                        u_acc=plgpu.ACC((tile_m, half), jnp.float32))
                     def acc_scope(g_acc, u_acc):
-                        slot = lambda kk: wg * steps + (j * k_steps + kk) % steps  # noqa: E731
-
                         @pl.loop(0, k_steps)
                         def _step(kk):
-                            at = slot(kk)
+                            at = kk % steps
                             plgpu.barrier_wait(full.at[at])
                             plgpu.wgmma(g_acc, a_smem.at[at], g_smem.at[at].transpose((1, 0)))
                             plgpu.wgmma(u_acc, a_smem.at[at], u_smem.at[at].transpose((1, 0)))
@@ -413,10 +416,10 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
 
                             @pl.when(kk > 0)
                             def _():
-                                plgpu.barrier_arrive(empty.at[slot(kk - 1)])
+                                plgpu.barrier_arrive(empty.at[(kk - 1) % steps])
 
                         plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[slot(k_steps - 1)])
+                        plgpu.barrier_arrive(empty.at[(k_steps - 1) % steps])
                         g_all, u_all = g_acc[...], u_acc[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         out = 0
