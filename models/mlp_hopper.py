@@ -323,7 +323,10 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
 
     A barrier's phase is tracked by its parity in each thread that waits on it: a warpgroup
     skips the phases of the other's tile, so each tile must hold an even number of phases a
-    stage (the steps over K an even multiple of `steps`)."""
+    stage (the steps over K an even multiple of `steps`), and a warpgroup starts its tile's
+    waits only once the other has finished its own (`turn`, as CUTLASS's ping-pong orders
+    its warpgroups' mainloops): else a wait begun while the other's phase is still pending
+    reads that phase's parity as its own and passes at once, on data not yet loaded."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -355,8 +358,9 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
             out_smem=plgpu.SMEM((2, 2, EPI, EPI), bf, transforms=out_tr),
             full=plgpu.Barrier(num_arrivals=3, num_barriers=steps),
             empty=plgpu.Barrier(num_arrivals=1, num_barriers=steps),
+            turn=plgpu.Barrier(num_arrivals=1, num_barriers=2),
             collective_axes="wg")
-        def scope(a_smem, g_smem, u_smem, out_smem, full, empty):
+        def scope(a_smem, g_smem, u_smem, out_smem, full, empty, turn):
             wg = lax.axis_index("wg")
             sm = lax.axis_index("sm")
             local = (m_tiles * n_tiles - sm + ctas - 1) // ctas  # this CTA's tiles
@@ -406,6 +410,13 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
                                        g_acc=plgpu.ACC((tile_m, half), jnp.float32),
                                        u_acc=plgpu.ACC((tile_m, half), jnp.float32))
                     def acc_scope(g_acc, u_acc):
+                        # the other warpgroup's waits on the stages all done: from here on a
+                        # stage's parity names this tile's phase (a wait that began while the
+                        # other's phase was pending would pass at once)
+                        @pl.when((wg == 1) | (j > 0))
+                        def _():
+                            plgpu.barrier_wait(turn.at[wg])
+
                         @pl.loop(0, k_steps)
                         def _step(kk):
                             at = kk % steps
@@ -418,6 +429,7 @@ def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
                             def _():
                                 plgpu.barrier_arrive(empty.at[(kk - 1) % steps])
 
+                        plgpu.barrier_arrive(turn.at[1 - wg])
                         plgpu.wgmma_wait(0)
                         plgpu.barrier_arrive(empty.at[(k_steps - 1) % steps])
                         g_all, u_all = g_acc[...], u_acc[...]
