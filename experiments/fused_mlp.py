@@ -37,12 +37,15 @@ eighth field `X` runs one pipeline across each CTA's tiles (`gemm`'s `across`, f
 that the producer loads the next tile while the warpgroups run the epilogue (roadmap K15; what
 the model runs with `KERNJAX_MLP_ACROSS=1`). In that profile the epilogue's samples sit in
 conversions (F2F, a quarter-rate instruction: 128 a thread a tile for gate and up) and silu·mul's
-`ex2`/`rcp`; the ninth field `I` rounds gate and up by integer operations instead
-(`mlp_hopper.round_bf16`, the same bits; the model's `KERNJAX_MLP_ROUND=int`).
+`ex2`/`rcp`. On an H200 (2026-12-04, experiments/results/2026-12-04-h200-k15-schedules/), in the
+8k program: `across` within 0.2 ms of a pipeline a tile; gate and up rounded by integer
+operations (`f7e1922`) 1 ms slower, by packed conversions (`cvt.rn.bf16x2.f32`, `6bd45fd`)
+within 0.1 ms; the warpgroups on tiles of their own in turns (ping-pong, `cedeaef`) 2-4 ms
+slower. Those three left the model; their commits hold them (roadmap K15).
 
     python experiments/fused_mlp.py --rows 512,2048,8192
     python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
-    python experiments/fused_mlp.py --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model;128,128,64,3,N,M,8,T,I"
+    python experiments/fused_mlp.py --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model"
     python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
@@ -97,13 +100,11 @@ def epilogue(name: str):
 def config(text: str) -> tuple[str, dict]:
     """`--tiles`' one config as (its name, `gemm`'s keywords)."""
     tm, tn, tk, steps, *rest = text.split(",")
-    wgs, minor, width, pipe, rnd = rest + ["M", "N", "1", "T", "C"][len(rest):]
-    rounding = {"C": "cvt", "I": "int", "P": "pack"}.get(rnd, "cvt")
-    name = (f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}"
-            + {"X": " across", "P": " pingpong"}.get(pipe, "") + f" {rounding}")
+    wgs, minor, width, pipe = rest + ["M", "N", "1", "T"][len(rest):]
+    name = f"{tm}x{tn}x{tk} s{steps} wg={wgs} {minor}{width}" + (" across" if pipe == "X" else "")
     return name, dict(tile_m=int(tm), tile_n=int(tn), tile_k=int(tk), steps=int(steps),
                       wg_n=wgs == "N", minor="MN".index(minor), width=int(width),
-                      across=pipe == "X", pingpong=pipe == "P", rounding=rounding)
+                      across=pipe == "X")
 
 
 def for_h200(fn, *args) -> str:
@@ -118,16 +119,12 @@ def main() -> None:
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--tiles", default="model;128,128,64,4,N,M,8;64,256,64,3,M,N,1",
-                    help="tile_m,tile_n,tile_k,steps[,wgs,minor,width,pipe,round] per config, ';' "
+                    help="tile_m,tile_n,tile_k,steps[,wgs,minor,width,pipe] per config, ';' "
                          "between: a warpgroup's tile; its two warpgroups side by side (wgs N) "
                          "or one above the other (M, the default); tiles ordered by "
                          "plgpu.planar_snake along `minor` (M or N, default N), `width` tiles "
                          "wide (default 1); pipe X: one pipeline across a CTA's tiles "
-                         "(mlp_hopper.gemm's `across`), P each warpgroup on tiles of its own, in turns "
-                         "(`gemm_pingpong`; wgs N), T (the default) one a tile; round: how "
-                         "the fused epilogue rounds gate and up, C (the default) by a conversion "
-                         "each (`rounding='cvt'`), P by packed conversions ('pack', the model's), "
-                         "I by integers ('int'); "
+                         "(mlp_hopper.gemm's `across`), T (the default) one a tile; "
                          "`model`: mlp_hopper.tiling's for the rows")
     ap.add_argument("--epilogues", default="exact",
                     help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")

@@ -45,76 +45,6 @@ def silu_mul_f32(g, u):
     return (g32 / (1.0 + jnp.exp(-g32)) * u32).astype(g.dtype)
 
 
-def round_bf16(v):
-    """float32 `v` rounded to bfloat16's nearest (ties to even), kept in float32: the bits of
-    `v.astype(bfloat16).astype(float32)` for every value, NaN kept a NaN. Integer operations at
-    the ALU's rate, where the conversion instruction (F2F) runs on the GPU's quarter-rate pipe:
-    in the fused GEMM's epilogue it can round gate and up before silu·mul (`gemm(rounding="int")`,
-    roadmap K15)."""
-    b = lax.bitcast_convert_type(v, jnp.uint32)
-    r = (b + (jnp.uint32(0x7FFF) + ((b >> 16) & jnp.uint32(1)))) & jnp.uint32(0xFFFF0000)
-    return jnp.where(v != v, v, lax.bitcast_convert_type(r, jnp.float32))
-
-
-def round_pair(g, u):
-    """Gate and up (float32 tiles of the fused GEMM's accumulators) rounded to bfloat16's nearest,
-    ties to even, kept in float32: one packed conversion (`cvt.rn.bf16x2.f32`, F2FP) for each
-    pair of a gate and an up value, where `.astype` issues one quarter-rate F2F for each value
-    (roadmap K15), and two integer operations to take each half out. The bits of
-    `v.astype(bfloat16).astype(float32)` for every value but NaN, which stays a NaN (and which
-    silu·mul makes the GPU's one NaN either way). Mosaic GPU only: inline PTX, which the
-    interpreter does not run."""
-    import jax.experimental.mosaic.gpu as mgpu
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-    import numpy as np
-    from jaxlib.mlir import ir
-    from jaxlib.mlir.dialects import arith, llvm, vector
-
-    layout = plgpu.Layout.WGMMA
-    out = plgpu.ShapeDtypeStruct(g.shape, jnp.float32, layout=layout)
-
-    @plgpu.inline_mgpu(arg_types=(layout, layout), return_type=(out, out))
-    def pack(_, g, u):
-        i32, f32 = ir.IntegerType.get_signless(32), ir.F32Type.get()
-        high, sixteen = arith.constant(i32, -0x10000), arith.constant(i32, 16)
-        gs, us = np.empty_like(g.registers), np.empty_like(u.registers)
-        for at, g_reg in np.ndenumerate(g.registers):
-            u_reg = u.registers[at]
-            g_out, u_out = [], []
-            for i in range(ir.VectorType(g_reg.type).shape[0]):
-                # d's high half is the first operand rounded, its low half the second
-                d = llvm.inline_asm(i32, [vector.extract(g_reg, [], [i]),
-                                          vector.extract(u_reg, [], [i])],
-                                    "cvt.rn.bf16x2.f32 $0, $1, $2;", "=r,f,f")
-                g_out.append(arith.bitcast(f32, arith.andi(d, high)))
-                u_out.append(arith.bitcast(f32, arith.shli(d, sixteen)))
-            gs[at] = vector.from_elements(g_reg.type, g_out)
-            us[at] = vector.from_elements(u_reg.type, u_out)
-        return (mgpu.FragmentedArray(_registers=gs, _layout=g.layout, _is_signed=None),
-                mgpu.FragmentedArray(_registers=us, _layout=u.layout, _is_signed=None))
-
-    return pack(g, u)
-
-
-ROUNDINGS = ("cvt", "int", "pack")  # gemm's `rounding`: how the fused epilogue rounds gate and up
-
-
-def packed_round() -> bool:
-    """`KERNJAX_MLP_ROUND=pack`: the fused GEMM rounds gate and up with `round_pair`, where `cvt`
-    (the default) converts each value to bfloat16 and back (an A/B knob; the same bits, NaN
-    aside, which silu·mul makes the GPU's one NaN either way; in the 8k program within 0.1 ms
-    of `cvt`, 2026-12-04). Set it alike in every process of a cut, before a program is traced."""
-    return _knob("KERNJAX_MLP_ROUND", "cvt", "pack") == "pack"
-
-
-def pingpong() -> bool:
-    """`KERNJAX_MLP_PINGPONG=0`: above 2048 rows the fused GEMM and the GEMM apart run `gemm`'s
-    pipeline shared by both warpgroups rather than `gemm_pingpong` (the default, 1). The same
-    bits either way; an A/B knob: set it alike in every process of a cut, before a program is
-    traced."""
-    return _knob("KERNJAX_MLP_PINGPONG", "1", "0") == "1"
-
-
 def _knob(name: str, default: str, other: str) -> str:
     """An A/B knob's value from the environment: `default` unless set, else `other`; any other
     value refused, saying which two it takes."""
@@ -140,17 +70,13 @@ def tiling(rows: int) -> dict:
     Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
-    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
-    `KERNJAX_MLP_ROUND` (`packed_round`): how the fused epilogue rounds gate and up."""
+    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles."""
     if rows <= 2048:
         t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
-    if rows > 2048 and pingpong():
-        t.update(pingpong=True, steps=5)
-    elif across_tiles():
+    if across_tiles():
         t.update(steps=4, across=True)
-    t.update(rounding="pack" if packed_round() else "cvt")
     return t
 
 
@@ -181,7 +107,7 @@ def fits(x, wg, wu) -> bool:
 
 def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps: int,
          wg_n: bool, minor: int, width: int, across: bool = False, ctas: int | None = None,
-         rounding: str = "cvt", pingpong: bool = False, interpret=None):
+         interpret=None):
     """x [M, K] times gate and up [F, K] (as stored) on Hopper. Each compute warpgroup of a CTA
     takes tile_m rows by tile_n / 2 columns of gate and the same of up; the CTA's two side by
     side (wg_n) or one above the other; tiles in `plgpu.planar_snake` order (minor 0 rows, 1
@@ -192,27 +118,15 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
     pipelines: the producer loads the next tile's first steps while the warpgroups run this
     tile's epilogue), where the steps over K are a multiple of `steps` and every SM has two tiles
     or more; else a pipeline a tile. The same MMAs in the same order and the same epilogue: the
-    same bits. rounding (fused only; the same bits into silu·mul): "cvt" (here the default) rounds
-    gate and up to bfloat16 by a conversion and back, "pack" (the model's) by `round_pair`, "int"
-    by `round_bf16`. ctas: CTAs to run
-    (default one an SM); interpret: Mosaic GPU's interpreter (both for CPU tests). pingpong:
-    `gemm_pingpong`'s schedule, each warpgroup on its own tile_m x tile_n / 2 tiles (the same
-    bits; `across` does not apply)."""
+    same bits. ctas: CTAs to run (default one an SM); interpret: Mosaic GPU's interpreter (both
+    for CPU tests)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    if pingpong:
-        if not wg_n:
-            raise ValueError("pingpong takes the tiling of two warpgroups side by side (wg_n)")
-        return gemm_pingpong(x, wg, wu, fused=fused, tile_m=tile_m, half=tile_n // 2,
-                             tile_k=tile_k, steps=steps, minor=minor, width=width, ctas=ctas,
-                             rounding=rounding, interpret=interpret)
     m, k = x.shape
     f = wg.shape[0]
     half = tile_n // 2
     cta_m, cta_n = _cta(dict(tile_m=tile_m, tile_n=tile_n, wg_n=wg_n))
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding {rounding!r}: give one of {', '.join(ROUNDINGS)}")
     if m % cta_m or k % tile_k or f % cta_n or half % EPI:
         raise ValueError(f"rows {m}, K {k}, F {f}: tiles {cta_m} x {cta_n} x {tile_k} do not divide")
     swz = plgpu.find_swizzle(tile_k * 16)
@@ -264,14 +178,8 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
                         slot = 0
                         for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
                             at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
-                            if fused and rounding != "cvt":
-                                g, u = (round_pair(g_all[at], u_all[at]) if rounding == "pack"
-                                        else (round_bf16(g_all[at]), round_bf16(u_all[at])))
-                                parts = [silu_mul(g, u).astype(x.dtype)]
-                            else:
-                                g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)
-                                parts = [silu_mul(g, u)] if fused else [g, u]
-                            for o, part in enumerate(parts):
+                            g, u = g_all[at].astype(x.dtype), u_all[at].astype(x.dtype)
+                            for o, part in enumerate([silu_mul(g, u)] if fused else [g, u]):
                                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                                 out_smem[wg, slot] = part
                                 plgpu.commit_smem()
@@ -302,162 +210,6 @@ def gemm(x, wg, wu, *, fused: bool, tile_m: int, tile_n: int, tile_k: int, steps
 
     return plgpu.kernel(
         body, out_type=[jax.ShapeDtypeStruct((m, f), x.dtype)] * outs,
-        grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(
-            lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),
-        **({"interpret": interpret} if interpret is not None else {}))(x, wg, wu)
-
-
-def gemm_pingpong(x, wg, wu, *, fused: bool, tile_m: int = 128, half: int = 64,
-                  tile_k: int = 64, steps: int = 5, minor: int = 0, width: int = 8,
-                  ctas: int | None = None, rounding: str = "cvt", interpret=None):
-    """`gemm`'s products (the same MMAs in the same order, the same epilogue: the same bits) with
-    its two compute warpgroups on different tiles, taken in turn (roadmap K15, "ping-pong"):
-    each warpgroup computes tile_m rows by `half` columns of gate and the same of up while the
-    other runs its epilogue. One memory warpgroup loads the CTA's tiles in order into one ring
-    of `steps` stages; the first warpgroup takes the CTA's even tiles, the second its odd ones.
-    In `gemm` both warpgroups share each tile and run its epilogue at once, while the tensor
-    cores wait. A warpgroup keeps one step's MMAs in flight while it issues the next. Tiles in
-    `plgpu.planar_snake` order (minor 0 rows, 1 columns, `width` tiles wide), the CTA's i-th
-    tile the (sm + i·ctas)-th.
-
-    A barrier's phase is tracked by its parity in each thread that waits on it: a warpgroup
-    skips the phases of the other's tile, so each tile must hold an even number of phases a
-    stage (the steps over K an even multiple of `steps`), and a warpgroup starts its tile's
-    waits only once the other has finished its own (`turn`, as CUTLASS's ping-pong orders
-    its warpgroups' mainloops): else a wait begun while the other's phase is still pending
-    reads that phase's parity as its own and passes at once, on data not yet loaded."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    m, k = x.shape
-    f = wg.shape[0]
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding {rounding!r}: give one of {', '.join(ROUNDINGS)}")
-    if m % tile_m or k % tile_k or f % half or half % EPI or tile_m % EPI:
-        raise ValueError(f"rows {m}, K {k}, F {f}: tiles {tile_m} x {half} x {tile_k} do not divide")
-    m_tiles, n_tiles, k_steps = m // tile_m, f // half, k // tile_k
-    if k_steps % (2 * steps):
-        raise ValueError(f"K {k}: {k_steps} steps of {tile_k}, not an even multiple of {steps} "
-                         "stages (each warpgroup skips the other's phases)")
-    swz = plgpu.find_swizzle(tile_k * 16)
-    tr = (plgpu.TilingTransform((8, swz // 2)), plgpu.SwizzleTransform(swz))
-    out_swz = plgpu.find_swizzle(EPI * 16)
-    out_tr = (plgpu.TilingTransform((8, out_swz // 2)), plgpu.SwizzleTransform(out_swz))
-    outs = 1 if fused else 2
-    silu_mul, approx = epilogue()
-    ctas = ctas or sm_count()
-    bf = x.dtype
-
-    def body(x_gmem, g_gmem, u_gmem, *out_gmem):
-        @functools.partial(
-            pl.run_scoped,
-            a_smem=plgpu.SMEM((steps, tile_m, tile_k), bf, transforms=tr),
-            g_smem=plgpu.SMEM((steps, half, tile_k), bf, transforms=tr),
-            u_smem=plgpu.SMEM((steps, half, tile_k), bf, transforms=tr),
-            out_smem=plgpu.SMEM((2, 2, EPI, EPI), bf, transforms=out_tr),
-            full=plgpu.Barrier(num_arrivals=3, num_barriers=steps),
-            empty=plgpu.Barrier(num_arrivals=1, num_barriers=steps),
-            turn=plgpu.Barrier(num_arrivals=1, num_barriers=2),
-            collective_axes="wg")
-        def scope(a_smem, g_smem, u_smem, out_smem, full, empty, turn):
-            wg = lax.axis_index("wg")
-            sm = lax.axis_index("sm")
-            local = (m_tiles * n_tiles - sm + ctas - 1) // ctas  # this CTA's tiles
-
-            def where(i):
-                """The CTA's i-th tile: its rows and columns."""
-                mi, ni = plgpu.planar_snake(sm + i * ctas, (m_tiles, n_tiles), minor, width)
-                return pl.ds(mi * tile_m, tile_m), ni
-
-            @pl.when(wg == 2)
-            def _memory():
-                plgpu.set_max_registers(40, action="decrease")
-
-                @pl.loop(0, local)
-                def _tile(i):
-                    rows, ni = where(i)
-                    cols = pl.ds(ni * half, half)
-
-                    @pl.loop(0, k_steps)
-                    def _step(kk):
-                        at = kk % steps
-
-                        @pl.when(i * k_steps + kk >= steps)
-                        def _():
-                            plgpu.barrier_wait(empty.at[at])
-
-                        ks = pl.ds(kk * tile_k, tile_k)
-                        plgpu.copy_gmem_to_smem(x_gmem.at[rows, ks], a_smem.at[at], full.at[at])
-                        plgpu.copy_gmem_to_smem(g_gmem.at[cols, ks], g_smem.at[at], full.at[at])
-                        plgpu.copy_gmem_to_smem(u_gmem.at[cols, ks], u_smem.at[at], full.at[at])
-
-                total = local * k_steps  # the last stages' releases, not waited for above
-
-                @pl.loop(jnp.maximum(total - steps, 0), total)
-                def _release(q):
-                    plgpu.barrier_wait(empty.at[q % steps])
-
-            @pl.when(wg < 2)
-            def _compute():
-                plgpu.set_max_registers(232, action="increase")
-
-                @pl.loop(0, (local - wg + 1) // 2)
-                def _tile(j):
-                    rows, ni = where(wg + 2 * j)
-
-                    @functools.partial(pl.run_scoped,
-                                       g_acc=plgpu.ACC((tile_m, half), jnp.float32),
-                                       u_acc=plgpu.ACC((tile_m, half), jnp.float32))
-                    def acc_scope(g_acc, u_acc):
-                        # the other warpgroup's waits on the stages all done: from here on a
-                        # stage's parity names this tile's phase (a wait that began while the
-                        # other's phase was pending would pass at once)
-                        @pl.when((wg == 1) | (j > 0))
-                        def _():
-                            plgpu.barrier_wait(turn.at[wg])
-
-                        @pl.loop(0, k_steps)
-                        def _step(kk):
-                            at = kk % steps
-                            plgpu.barrier_wait(full.at[at])
-                            plgpu.wgmma(g_acc, a_smem.at[at], g_smem.at[at].transpose((1, 0)))
-                            plgpu.wgmma(u_acc, a_smem.at[at], u_smem.at[at].transpose((1, 0)))
-                            plgpu.wgmma_wait(2)  # the last step's MMAs are done: free its stage
-
-                            @pl.when(kk > 0)
-                            def _():
-                                plgpu.barrier_arrive(empty.at[(kk - 1) % steps])
-
-                        plgpu.barrier_arrive(turn.at[1 - wg])
-                        plgpu.wgmma_wait(0)
-                        plgpu.barrier_arrive(empty.at[(k_steps - 1) % steps])
-                        g_all, u_all = g_acc[...], u_acc[...]
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out = 0
-                        for r, c in itertools.product(range(tile_m // EPI), range(half // EPI)):
-                            at = (slice(r * EPI, (r + 1) * EPI), slice(c * EPI, (c + 1) * EPI))
-                            if fused and rounding != "cvt":
-                                g, u = (round_pair(g_all[at], u_all[at]) if rounding == "pack"
-                                        else (round_bf16(g_all[at]), round_bf16(u_all[at])))
-                                parts = [silu_mul(g, u).astype(bf)]
-                            else:
-                                g, u = g_all[at].astype(bf), u_all[at].astype(bf)
-                                parts = [silu_mul(g, u)] if fused else [g, u]
-                            for o, part in enumerate(parts):
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, out] = part
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(
-                                    out_smem.at[wg, out],
-                                    out_gmem[o].at[rows].at[at[0]]
-                                    .at[:, pl.ds(ni * half + c * EPI, EPI)])
-                                out ^= 1
-
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    return plgpu.kernel(
-        body, out_type=[jax.ShapeDtypeStruct((m, f), bf)] * outs,
         grid=(ctas,), grid_names=("sm",), num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup, approx_math=approx),

@@ -648,10 +648,9 @@ def test_fused_mlp_reads_its_tilings_and_its_kernels_lower_for_an_h200():
     name, wgs_n = fused_mlp.config("128,128,64,4,N,M,8")
     assert name == "128x128x64 s4 wg=N M8"
     assert wgs_n == dict(tile_m=128, tile_n=128, tile_k=64, steps=4, wg_n=True, minor=0, width=8,
-                         across=False, rounding="cvt")
-    assert fused_mlp.config("128,128,64,4,N,M,8,X,I") == ("128x128x64 s4 wg=N M8 across int",
-                                                          {**wgs_n, "across": True,
-                                                           "rounding": "int"})
+                         across=False)
+    assert fused_mlp.config("128,128,64,4,N,M,8,X") == ("128x128x64 s4 wg=N M8 across",
+                                                        {**wgs_n, "across": True})
     wgs_m = fused_mlp.config("64,256,64,3")[1]
     assert (wgs_m["wg_n"], wgs_m["minor"], wgs_m["width"]) == (False, 1, 1)
     for fn, args in [(functools.partial(fused_mlp.gemm, fused=True, **wgs_n), (x, w, w)),

@@ -11,7 +11,6 @@ import re
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 from jax import export
@@ -114,7 +113,7 @@ def test_silu_mul_f32_rounds_once():
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
 
 
-def _gemm_in_the_interpreter(fused, across, ctas, rounding="cvt"):
+def _gemm_in_the_interpreter(fused, across, ctas):
     """qwen3-shaped operands, small (x [256, 256], gate and up [256, 256]), through `gemm` in
     Mosaic GPU's interpreter with its race detector: 8 tiles of 128 x 64, 4 steps over K."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -126,7 +125,6 @@ def _gemm_in_the_interpreter(fused, across, ctas, rounding="cvt"):
               for kk in ks[1:])
     out = mlp_hopper.gemm(x, wg, wu, fused=fused, tile_m=64, tile_n=128, tile_k=64, steps=2,
                           wg_n=False, minor=1, width=1, across=across, ctas=ctas,
-                          rounding=rounding,
                           interpret=plgpu.InterpretGPUParams(detect_races=True))
     jax.block_until_ready(out)
     assert not ipc.get_races().races_found, "the race detector found a race (printed above)"
@@ -174,7 +172,6 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
 
     sk = _same_kernel()
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "0")  # which comes first above 2048 rows
     assert mlp_hopper.across_tiles() is False
     default = sk.mlp_modules(mlp_hopper, 8192)
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "1")
@@ -193,109 +190,3 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
     with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
         mlp_hopper.across_tiles()
 
-
-def test_round_bf16_is_the_conversion_for_every_value_but_nan():
-    """`round_bf16` (`gemm(rounding="int")`): integer rounding to bfloat16's nearest, ties to
-    even, gives the bits of a conversion to bfloat16 and back for 2^21 random bit patterns and
-    the edges (ties, subnormals, the largest finite, infinities); a NaN stays a NaN."""
-    rng = np.random.default_rng(0)
-    random = rng.integers(0, 2 ** 32, size=1 << 21, dtype=np.uint64).astype(np.uint32)
-    bits = np.concatenate([random,
-                           np.array([0, 0x80000000, 1, 0x007FFFFF, 0x00008000, 0x00018000,
-                                     0x3F808000, 0x3F818000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F800000,
-                                     0xFF800000, 0x7F800001, 0x7FC00000, 0xFFFFFFFF], np.uint32)])
-    v = jnp.asarray(bits.view(np.float32))
-    got = np.asarray(jax.jit(mlp_hopper.round_bf16)(v))
-    want = np.asarray(v.astype(jnp.bfloat16).astype(jnp.float32))
-    nan = np.isnan(want)
-    assert np.array_equal(got[~nan].view(np.uint32), want[~nan].view(np.uint32))
-    assert np.isnan(got[nan]).all() and nan.sum() > 1000
-
-
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the interpreter runs on the CPU")
-def test_the_fused_gemm_rounding_by_integers_gives_the_conversions_bits():
-    """`gemm(rounding="int")`: the fused epilogue's gate and up rounded by `round_bf16` give the
-    bits the conversion gives (in Mosaic GPU's interpreter, no race), across tiles too."""
-    one = _gemm_in_the_interpreter(True, across=False, ctas=2)[3]
-    for across in (False, True):
-        out = _gemm_in_the_interpreter(True, across=across, ctas=2, rounding="int")[3]
-        assert bool(jnp.array_equal(out[0], one[0]))
-
-
-def test_the_round_knob_changes_the_fused_gemm_alone(monkeypatch):
-    """`KERNJAX_MLP_ROUND=pack` rounds the fused GEMM's gate and up in pairs, one
-    `cvt.rn.bf16x2.f32` for a gate and an up value of a thread (32 a 64 x 64 tile, two tiles a
-    warpgroup at 8192 rows), where `cvt` (the default) converts each; the knob changes the
-    fused GEMM's module and neither the GEMM apart nor the silu·mul kernel; a value it does not
-    know is refused, saying which it takes, and so is a rounding `gemm` does not know."""
-    sk = _same_kernel()
-    assert not mlp_hopper.packed_round() and mlp_hopper.tiling(8192)["rounding"] == "cvt"
-    default = sk.mlp_modules(mlp_hopper, 8192)
-    assert "cvt.rn.bf16x2.f32" not in default["fused"]
-    monkeypatch.setenv("KERNJAX_MLP_ROUND", "pack")
-    knob = sk.mlp_modules(mlp_hopper, 8192)
-    assert knob["fused"].count("cvt.rn.bf16x2.f32") == 64
-    assert knob["gate_up"] == default["gate_up"] and knob["silu_mul"] == default["silu_mul"]
-    monkeypatch.setenv("KERNJAX_MLP_ROUND", "int")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_ROUND='int': give cvt"):
-        mlp_hopper.packed_round()
-    monkeypatch.delenv("KERNJAX_MLP_ROUND")
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    with pytest.raises(ValueError, match="rounding 'even': give one of cvt, int, pack"):
-        mlp_hopper.gemm(S((8192, 2560), bf), S((9728, 2560), bf), S((9728, 2560), bf),
-                        fused=True, **dict(mlp_hopper.tiling(8192), rounding="even"))
-
-
-def test_the_pingpong_knob_is_the_default_above_2048_rows(monkeypatch):
-    """`KERNJAX_MLP_PINGPONG`: above 2048 rows the fused GEMM and the GEMM apart run
-    `gemm_pingpong` (a kernel with its own barriers: no module of the shared pipeline's), at
-    2048 rows and under `KERNJAX_MLP_PINGPONG=0` the shared pipeline; a value it does not know is
-    refused, saying which it takes."""
-    sk = _same_kernel()
-    assert mlp_hopper.tiling(8192).get("pingpong") and not mlp_hopper.tiling(2048).get("pingpong")
-    default = sk.mlp_modules(mlp_hopper, 8192)
-    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "0")
-    assert not mlp_hopper.tiling(8192).get("pingpong")
-    shared = sk.mlp_modules(mlp_hopper, 8192)
-    assert default["fused"] != shared["fused"] and default["gate_up"] != shared["gate_up"]
-    assert default["silu_mul"] == shared["silu_mul"]
-    monkeypatch.setenv("KERNJAX_MLP_PINGPONG", "on")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_PINGPONG='on': give 1"):
-        mlp_hopper.pingpong()
-
-
-def test_pingpong_asks_each_tile_an_even_number_of_phases_a_stage():
-    """`gemm_pingpong`: a warpgroup skips the other's tile in each stage's barrier, whose phase
-    each thread tracks by parity, so the steps over K must be an even multiple of the stages;
-    40 steps take 5 or 4 stages, not 3 (Mosaic GPU's interpreter counts phases, not parities,
-    and cannot run it: the GPU test below compares its bits)."""
-    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-    from models.attention_hopper import on_h200
-
-    x, w = S((8192, 2560), bf), S((9728, 2560), bf)
-    for steps in (5, 4):
-        on_h200(functools.partial(mlp_hopper.gemm_pingpong, fused=True, steps=steps), x, w, w,
-                num_cores=132)
-    with pytest.raises(ValueError, match="40 steps of 64, not an even multiple of 3 stages"):
-        mlp_hopper.gemm_pingpong(x, w, w, fused=True, steps=3)
-
-
-@pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the kernels on the GPU")
-@pytest.mark.parametrize("rows", [8192, 2176])
-def test_pingpong_on_the_gpu_gives_the_bits_of_the_shared_pipeline(rows):
-    """On the GPU, at qwen3-4b's MLP shapes: `gemm_pingpong` (the model's tiling above 2048 rows) writes
-    the bits of `gemm`'s shared pipeline, fused and apart, at 8192 rows (9728 tiles, 73 or 74 an
-    SM) and 2176 (2584: 19 or 20), and the fused product is `silu_mul_f32` of gate and up apart."""
-    ks = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(ks[0], (rows, 2560), jnp.float32).astype(jnp.bfloat16)
-    wg, wu = ((0.02 * jax.random.normal(kk, (9728, 2560), jnp.float32)).astype(jnp.bfloat16)
-              for kk in ks[1:])
-    t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
-    for fused in (True, False):
-        shared = jax.jit(functools.partial(mlp_hopper.gemm, fused=fused, **t))(x, wg, wu)
-        own = jax.jit(functools.partial(mlp_hopper.gemm, fused=fused, **mlp_hopper.tiling(8192)))(
-            x, wg, wu)
-        assert all(bool(jnp.array_equal(a, b)) for a, b in zip(own, shared)), (rows, fused)
-        if not fused:
-            assert bool(jnp.array_equal(mlp_hopper.fused_call(x, wg, wu),
-                                        jax.jit(mlp_hopper.silu_mul_f32)(*own)))
