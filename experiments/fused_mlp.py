@@ -39,8 +39,8 @@ the model runs with `KERNJAX_MLP_ACROSS=1`). In that profile the epilogue's samp
 conversions (F2F, a quarter-rate instruction: 128 a thread a tile for gate and up) and silu·mul's
 `ex2`/`rcp`. On an H200 (2026-12-04, experiments/results/2026-12-04-h200-k15-schedules/), in the
 8k program: `across` within 0.2 ms of a pipeline a tile; gate and up rounded by integer
-operations (`f7e1922`) 1 ms slower, by packed conversions (`cvt.rn.bf16x2.f32`, `6bd45fd`)
-within 0.1 ms; the warpgroups on tiles of their own in turns (ping-pong, `cedeaef`) 2-4 ms
+operations (`f7e1922`) 1.2 ms slower, by packed conversions (`cvt.rn.bf16x2.f32`, `6bd45fd`)
+within 0.1 ms; the warpgroups on tiles of their own in turns (ping-pong, `cedeaef`) 2.9 ms
 slower. Those three left the model; their commits hold them (roadmap K15).
 
     python experiments/fused_mlp.py --rows 512,2048,8192

@@ -189,4 +189,3 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
     with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
         mlp_hopper.across_tiles()
-
