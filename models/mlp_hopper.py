@@ -70,9 +70,12 @@ def tiling(rows: int) -> dict:
     Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
-    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles."""
+    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
+    `KERNJAX_MLP_TILE=64x256` (`wide_tiles`): above 2048 rows, 64 x 128 wgmmas."""
     if rows <= 2048:
         t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
+    elif wide_tiles():
+        t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=0, width=8)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
     if across_tiles():
@@ -85,6 +88,18 @@ def across_tiles() -> bool:
     `across`; roadmap K15), an A/B knob, default 0. It changes no bit, but set it alike in every
     process of a cut all the same, before a program is traced (jit keeps what it traced)."""
     return _knob("KERNJAX_MLP_ACROSS", "0", "1") == "1"
+
+
+def wide_tiles() -> bool:
+    """`KERNJAX_MLP_TILE=64x256`: above 2048 rows each compute warpgroup takes 64 rows by 128
+    columns of gate and of up, the two one above the other (64 x 128 wgmmas, where the default,
+    `128x128`, has 128 rows by 64 columns side by side and 64 x 64 wgmmas), roadmap K15. The same
+    CTA tile (128 x 128) and stages; a quarter less shared-memory traffic (Nsight Compute at
+    8192 rows: 67 % busy against 89 %, 1.9 % fewer cycles at the profiler's clock, 2026-12-04),
+    not yet timed in the program. An A/B knob, default 128x128; every tiling measured gives
+    cuBLASLt's bits for gate and up, but set it alike in every process of a cut all the same,
+    before a program is traced."""
+    return _knob("KERNJAX_MLP_TILE", "128x128", "64x256") == "64x256"
 
 
 def _cta(t: dict) -> tuple[int, int]:

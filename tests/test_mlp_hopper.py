@@ -189,3 +189,32 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
     monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
     with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
         mlp_hopper.across_tiles()
+
+
+def test_the_tile_knob_gives_64_by_128_wgmmas_above_2048_rows(monkeypatch):
+    """`KERNJAX_MLP_TILE=64x256`: above 2048 rows the fused GEMM and the GEMM apart take the
+    warpgroups one above the other, 64 rows by 128 columns of gate and of up each (64 x 128
+    wgmmas), on the same 128 x 128 CTA tile, so `fits` asks what it asked; at 2048 rows and
+    below, and for the silu·mul kernel, nothing changes; a value it does not know is refused,
+    saying which it takes."""
+    sk = _same_kernel()
+    assert not mlp_hopper.wide_tiles() and mlp_hopper.tiling(8192)["wg_n"]
+    default = {rows: sk.mlp_modules(mlp_hopper, rows) for rows in (2048, 8192)}
+    monkeypatch.setenv("KERNJAX_MLP_TILE", "64x256")
+    t = mlp_hopper.tiling(8192)
+    assert (t["tile_m"], t["tile_n"], t["wg_n"], t["steps"]) == (64, 256, False, 3)
+    assert mlp_hopper._cta(t) == mlp_hopper._cta(dict(tile_m=128, tile_n=128, wg_n=True))
+    wide = {rows: sk.mlp_modules(mlp_hopper, rows) for rows in (2048, 8192)}
+
+    def shapes(text):
+        return set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m64n\d+k16)", text))
+
+    assert shapes(default[8192]["fused"]) == {"m64n64k16"}
+    assert shapes(wide[8192]["fused"]) == shapes(wide[8192]["gate_up"]) == {"m64n128k16"}
+    assert wide[2048] == default[2048]
+    assert wide[8192]["fused"] != default[8192]["fused"]
+    assert wide[8192]["gate_up"] != default[8192]["gate_up"]
+    assert wide[8192]["silu_mul"] == default[8192]["silu_mul"]
+    monkeypatch.setenv("KERNJAX_MLP_TILE", "256x64")
+    with pytest.raises(ValueError, match="KERNJAX_MLP_TILE='256x64': give 128x128"):
+        mlp_hopper.wide_tiles()
