@@ -218,3 +218,25 @@ def test_the_tile_knob_gives_64_by_128_wgmmas_above_2048_rows(monkeypatch):
     monkeypatch.setenv("KERNJAX_MLP_TILE", "256x64")
     with pytest.raises(ValueError, match="KERNJAX_MLP_TILE='256x64': give 128x128"):
         mlp_hopper.wide_tiles()
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the kernels on the GPU")
+@pytest.mark.parametrize("tile", ["128x128", "64x256"])
+def test_on_the_gpu_the_fused_call_is_its_halves_apart_at_8192_rows(monkeypatch, tile):
+    """On the GPU at qwen3-4b's MLP shapes and 8192 rows (a tiling the chain gates, at 512 and 64
+    rows, never run), under each `KERNJAX_MLP_TILE`: the fused call writes the bits of `gate_up`
+    then `silu_mul` apart (what a cut between them runs), and gate and up are within a bf16 step
+    of float32's products."""
+    monkeypatch.setenv("KERNJAX_MLP_TILE", tile)
+    ks = jax.random.split(jax.random.key(2), 3)
+    x = jax.random.normal(ks[0], (8192, 2560), jnp.float32).astype(jnp.bfloat16)
+    wg, wu = ((0.02 * jax.random.normal(kk, (9728, 2560), jnp.float32)).astype(jnp.bfloat16)
+              for kk in ks[1:])
+    fused = jax.jit(mlp_hopper.fused_call)(x, wg, wu)
+    g, u = jax.jit(mlp_hopper.gate_up_call)(x, wg, wu)
+    assert bool(jnp.array_equal(fused, jax.jit(mlp_hopper.silu_mul_call)(g, u)))
+    for got, w in zip((g, u), (wg, wu)):
+        want = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.float32), w.T.astype(jnp.float32),
+                                            precision="highest"))(x, w)
+        assert bool(jnp.all(jnp.abs(got.astype(jnp.float32) - want)
+                            <= jnp.abs(want) * 2.0 ** -7 + 1e-3)), tile
