@@ -72,10 +72,11 @@ def tiling(rows: int) -> dict:
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
     `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
     `KERNJAX_MLP_TILE=64x256` (`wide_tiles`): above 2048 rows, 64 x 128 wgmmas."""
+    small = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     if rows <= 2048:
-        t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
-    elif wide_tiles():
-        t = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=0, width=8)
+        t = small
+    elif wide_tiles():  # the small rows' tiles in the large rows' order
+        t = dict(small, minor=0, width=8)
     else:
         t = dict(tile_m=128, tile_n=128, tile_k=64, steps=3, wg_n=True, minor=0, width=8)
     if across_tiles():

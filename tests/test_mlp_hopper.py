@@ -113,6 +113,13 @@ def test_silu_mul_f32_rounds_once():
     assert jnp.array_equal(mlp_hopper.silu_mul_f32(g, u), want)
 
 
+def _within_a_bf16_step_of_float32(got, x, w) -> bool:
+    """`got` (bf16, x times w transposed) within a bf16 step of float32's product."""
+    want = jnp.dot(x.astype(jnp.float32), w.T.astype(jnp.float32), precision="highest")
+    err = jnp.abs(got.astype(jnp.float32) - want)
+    return bool(jnp.all(err <= jnp.abs(want) * 2.0 ** -7 + 1e-3))
+
+
 def _gemm_in_the_interpreter(fused, across, ctas):
     """qwen3-shaped operands, small (x [256, 256], gate and up [256, 256]), through `gemm` in
     Mosaic GPU's interpreter with its race detector: 8 tiles of 128 x 64, 4 steps over K."""
@@ -144,10 +151,7 @@ def test_one_pipeline_across_a_ctas_tiles_gives_the_bits_of_one_a_tile(ctas):
         outs[fused] = _gemm_in_the_interpreter(fused, across=True, ctas=ctas)[3]
         assert all(bool(jnp.array_equal(a, b)) for a, b in zip(outs[fused], one))
     g, u = outs[False]
-    for got, w in zip((g, u), (wg, wu)):  # within a bf16 step of float32's product
-        want = x.astype(jnp.float32) @ w.T.astype(jnp.float32)
-        assert bool(jnp.all(jnp.abs(got.astype(jnp.float32) - want)
-                            <= jnp.abs(want) * 2.0 ** -7 + 1e-3))
+    assert _within_a_bf16_step_of_float32(g, x, wg) and _within_a_bf16_step_of_float32(u, x, wu)
     assert bool(jnp.array_equal(outs[True][0], mlp_hopper.silu_mul_f32(g, u)))
 
 
@@ -235,8 +239,4 @@ def test_on_the_gpu_the_fused_call_is_its_halves_apart_at_8192_rows(monkeypatch,
     fused = jax.jit(mlp_hopper.fused_call)(x, wg, wu)
     g, u = jax.jit(mlp_hopper.gate_up_call)(x, wg, wu)
     assert bool(jnp.array_equal(fused, jax.jit(mlp_hopper.silu_mul_call)(g, u)))
-    for got, w in zip((g, u), (wg, wu)):
-        want = jax.jit(lambda x, w: jnp.dot(x.astype(jnp.float32), w.T.astype(jnp.float32),
-                                            precision="highest"))(x, w)
-        assert bool(jnp.all(jnp.abs(got.astype(jnp.float32) - want)
-                            <= jnp.abs(want) * 2.0 ** -7 + 1e-3)), tile
+    assert _within_a_bf16_step_of_float32(g, x, wg) and _within_a_bf16_step_of_float32(u, x, wu)
