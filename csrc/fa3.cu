@@ -1,10 +1,10 @@
 // kj_fa3, CUDA: the bf16 attention call through FlashAttention-3 (fa3.h), on XLA's stream:
 //   1. Fa3Offsets (one block, a scan): each sequence's key count (its last row's position + 1; 0 for an
-//      empty one) and where its keys start in `keys` (whole blocks of 128 rows each);
-//   2. Fa3Gather: each sequence's pages copied there in order, rows past its keys zeroed, and
-//      the item's padding rows past cu_seqlens[seqs] zeroed in the output (FlashAttention does
-//      not write them);
-//   3. the library's forward over the contiguous keys (TMA).
+//      empty one) and, for pages of 16, where its keys start in `keys` (whole blocks of 128 rows);
+//   2. pages of 16: Fa3Gather copies each sequence's pages there in order, rows past its keys
+//      zeroed, and zeroes the item's padding rows past cu_seqlens[seqs] in the output
+//      (FlashAttention does not write them); pages of 128: Fa3Padding zeroes those rows only;
+//   3. the library's forward over the keys (TMA): contiguous, or the pages of 128 in place.
 // The library is loaded by Fa3Load (kernjax/ffi.py); a program run without it fails with a
 // message that says why it is missing and how to build it.
 
@@ -29,7 +29,8 @@ KjFa3Fn g_fa3 = nullptr;
 std::string g_fa3_error = "kernjax.ffi has not tried to load it";
 std::mutex g_fa3_mu;
 
-constexpr int kPage = 16;
+constexpr int kPage = 16;       // pages gathered into contiguous keys
+constexpr int kPageTma = 128;   // pages read in place: one FlashAttention key block each
 
 constexpr int kScan = 256;
 
@@ -37,7 +38,7 @@ constexpr int kScan = 256;
 // time. Traps (after saying why) on a position past the page table or keys past the scratch:
 // an item built wrong, or sequences that share pages.
 __global__ void Fa3Offsets(const int32_t* __restrict__ positions, const int32_t* __restrict__ cu,
-                           int seqs, int width, int32_t* __restrict__ used,
+                           int seqs, int width, int page, int32_t* __restrict__ used,
                            int32_t* __restrict__ cu_keys, int64_t key_rows) {
   using Scan = cub::BlockScan<int64_t, kScan>;
   __shared__ typename Scan::TempStorage scan;
@@ -48,9 +49,9 @@ __global__ void Fa3Offsets(const int32_t* __restrict__ positions, const int32_t*
     const int s = s0 + int(threadIdx.x);
     int64_t n = 0;
     if (s < seqs && cu[s + 1] > cu[s]) n = int64_t(positions[cu[s + 1] - 1]) + 1;
-    if (n > int64_t(width) * kPage) {
+    if (n > int64_t(width) * page) {
       printf("kj_fa3: sequence %d reaches key %lld, past its page table's %lld\n", s,
-             (long long)n, (long long)width * kPage);
+             (long long)n, (long long)width * page);
       __trap();
     }
     int64_t at, total;
@@ -71,6 +72,15 @@ __global__ void Fa3Offsets(const int32_t* __restrict__ positions, const int32_t*
       __trap();
     }
   }
+}
+
+// The item's padding rows of the output, past cu_seqlens[seqs], zeroed by the grid's threads.
+__device__ void ZeroPadding(const int32_t* __restrict__ cu, int seqs, uint4* __restrict__ o,
+                            int64_t o_row_vecs, int64_t rows) {
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = int64_t(cu[seqs]) * o_row_vecs + blockIdx.x * int64_t(blockDim.x) +
+                   threadIdx.x; i < rows * o_row_vecs; i += step)
+    o[i] = make_uint4(0, 0, 0, 0);
 }
 
 // Block b fills 16-row slots b, b + grid, .. of `keys` (each one's sequence found by bisection
@@ -103,10 +113,13 @@ __global__ void Fa3Gather(const uint4* __restrict__ kv, const int32_t* __restric
       for (int r = 0; r < kPage; ++r) dst[r * row_vecs + c] = v[r];
     }
   }
-  const int64_t step = int64_t(gridDim.x) * blockDim.x;
-  for (int64_t i = int64_t(cu[seqs]) * o_row_vecs + blockIdx.x * int64_t(blockDim.x) +
-                   threadIdx.x; i < rows * o_row_vecs; i += step)
-    o[i] = make_uint4(0, 0, 0, 0);
+  ZeroPadding(cu, seqs, o, o_row_vecs, rows);
+}
+
+// The output's padding rows (past cu_seqlens[seqs]) zeroed, where nothing is gathered.
+__global__ void Fa3Padding(const int32_t* __restrict__ cu, int seqs, uint4* __restrict__ o,
+                           int64_t o_row_vecs, int64_t rows) {
+  ZeroPadding(cu, seqs, o, o_row_vecs, rows);
 }
 
 ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
@@ -122,13 +135,14 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
                       "libkj_fa3.so built so");
   auto qd = q.dimensions(), kd = kv.dimensions(), pd = page_table.dimensions();
   if (q.element_type() != ffi::BF16 || kv.element_type() != ffi::BF16 || qd.size() != 3 ||
-      qd[2] != 128 || kd.size() != 5 || kd[1] != kPage || kd[2] != 2 || kd[4] != 128 ||
-      pd.size() != 2 || qd[1] % kd[3] != 0 || cu.element_count() != pd[0] + 1)
+      qd[2] != 128 || kd.size() != 5 || (kd[1] != kPage && kd[1] != kPageTma) || kd[2] != 2 ||
+      kd[4] != 128 || pd.size() != 2 || qd[1] % kd[3] != 0 || cu.element_count() != pd[0] + 1)
     return ffi::Error::InvalidArgument(
-        "kj_fa3: takes bf16 q [rows, heads, 128], kv [pages, 16, 2, kv_heads, 128], "
+        "kj_fa3: takes bf16 q [rows, heads, 128], kv [pages, 16 or 128, 2, kv_heads, 128], "
         "page_table [seqs, width], cu_seqlens [seqs + 1]");
-  const int seqs = int(pd[0]), width = int(pd[1]);
-  const int64_t key_rows = KjFa3KeyRows(seqs, width, kd[0]);
+  const int seqs = int(pd[0]), width = int(pd[1]), page = int(kd[1]);
+  const bool in_place = page == kPageTma;
+  const int64_t key_rows = in_place ? 0 : KjFa3KeyRows(seqs, width, kd[0]);
   const int64_t row_vecs = 2 * kd[3] * 128 * 2 / 16, o_row_vecs = qd[1] * 128 * 2 / 16;
   if (positions.element_count() != qd[0] || o->element_count() != q.element_count() ||
       o->element_type() != ffi::BF16 || lse->element_count() != qd[0] * qd[1] ||
@@ -147,20 +161,30 @@ ffi::Error Fa3Impl(cudaStream_t stream, ffi::AnyBuffer kv, ffi::AnyBuffer q,
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   int32_t* used = meta->typed_data() + KjFa3MetaInts(seqs);
   int32_t* cu_keys = used + seqs;
-  Fa3Offsets<<<1, kScan, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, width, used,
-                                      cu_keys, key_rows);
-  const int64_t slots = key_rows / kPage;
-  Fa3Gather<<<int(slots < 8 * sms ? slots : 8 * sms), 256, 0, stream>>>(
-      static_cast<const uint4*>(kv.untyped_data()), page_table.typed_data(), width, used,
-      cu_keys, seqs, static_cast<uint4*>(keys->untyped_data()), row_vecs, cu.typed_data(),
-      static_cast<uint4*>(o->untyped_data()), o_row_vecs, qd[0]);
+  Fa3Offsets<<<1, kScan, 0, stream>>>(positions.typed_data(), cu.typed_data(), seqs, width, page,
+                                      used, cu_keys, in_place ? INT64_MAX : key_rows);
+  auto* out = static_cast<uint4*>(o->untyped_data());
+  if (in_place) {
+    const int64_t vecs = qd[0] * o_row_vecs, blocks = (vecs + 255) / 256;
+    Fa3Padding<<<int(blocks < 2 * sms ? blocks : 2 * sms), 256, 0, stream>>>(
+        cu.typed_data(), seqs, out, o_row_vecs, qd[0]);
+  } else {
+    const int64_t slots = key_rows / kPage;
+    Fa3Gather<<<int(slots < 8 * sms ? slots : 8 * sms), 256, 0, stream>>>(
+        static_cast<const uint4*>(kv.untyped_data()), page_table.typed_data(), width, used,
+        cu_keys, seqs, static_cast<uint4*>(keys->untyped_data()), row_vecs, cu.typed_data(), out,
+        o_row_vecs, qd[0]);
+  }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("kj_fa3: ") + cudaGetErrorString(err));
-  KjFa3Args a{KJ_FA3_VERSION, keys->untyped_data(), q.untyped_data(), o->untyped_data(),
-              lse->typed_data(), cu.typed_data(), cu_keys, used, meta->typed_data(),
-              int(qd[0]), seqs, width * kPage, int(key_rows), int(qd[1]), int(kd[3]), sms,
-              scale, stream};
+  KjFa3Args a{KJ_FA3_VERSION,
+              in_place ? kv.untyped_data() : keys->untyped_data(),
+              in_place ? page_table.typed_data() : nullptr, page, width, int(kd[0]),
+              q.untyped_data(), o->untyped_data(), lse->typed_data(), cu.typed_data(), cu_keys,
+              used, meta->typed_data(), int(qd[0]), seqs, width * page,
+              int(in_place ? kd[0] * page : key_rows), int(qd[1]), int(kd[3]), sms, scale,
+              stream};
   const int rc = g_fa3(&a);
   if (rc != 0)
     return ffi::Error::Internal("kj_fa3: FlashAttention-3 returned " + std::to_string(rc) +
@@ -180,7 +204,7 @@ auto BindFa3() {
       .Ret<ffi::AnyBuffer>()          // o
       .Ret<ffi::Buffer<ffi::F32>>()   // lse (scratch)
       .Ret<ffi::Buffer<ffi::S32>>()   // scheduler metadata, offsets
-      .Ret<ffi::AnyBuffer>()          // the keys gathered (scratch)
+      .Ret<ffi::AnyBuffer>()          // the keys gathered (scratch; empty for pages of 128)
       .Attr<float>("scale");
 }
 }  // namespace

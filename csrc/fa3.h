@@ -3,23 +3,27 @@
 // flash-attention checkout into build/fa3/libkj_fa3.so, and csrc/fa3.cu's handler calls it
 // through this one entry point, loaded with dlopen (kernjax/ffi.py says where from).
 //
-// The handler first copies each sequence's pages, in order, into one contiguous buffer (`keys`,
-// the pages of sequence s from page `cu_keys[s] / 16` on): FlashAttention reads contiguous keys
-// with TMA, while pages of 16 rows it can only gather row by row, ~20 % slower on an H200.
+// Pages of 128 rows (a whole key block) FlashAttention reads in place with TMA, through the page
+// table. Pages of 16 rows it could only gather row by row, ~20 % slower on an H200; for those the
+// handler first copies each sequence's pages, in order, into one contiguous buffer (`keys`, the
+// pages of sequence s from page `cu_keys[s] / 16` on).
 #pragma once
 
 #include <cstdint>
 
-#define KJ_FA3_VERSION 2
+#define KJ_FA3_VERSION 3
 #define KJ_FA3_SYMBOL "kj_fa3_varlen"
 
-// One attention call: an item's rows (`cu_seqlens`), each sequence's keys and values at rows
-// cu_keys[s] .. cu_keys[s] + seqused_k[s] of keys [.., 2, kv_heads, 128], causal aligned
-// bottom-right to its `seqused_k` keys. `meta` is FlashAttention's scheduler scratch
-// (KjFa3MetaInts ints).
+// One attention call: an item's rows (`cu_seqlens`), each sequence's first seqused_k[s] keys and
+// values, causal aligned bottom-right to them. With `page_table` set, they are read in place:
+// pages of `page` rows of keys [num_pages, page, 2, kv_heads, 128], sequence s's in
+// page_table[s * width ..]; else at rows cu_keys[s] .. of keys [.., 2, kv_heads, 128]
+// (contiguous). `meta` is FlashAttention's scheduler scratch (KjFa3MetaInts ints).
 struct KjFa3Args {
   int version;
   const void* keys;
+  const int32_t* page_table;  // null: keys contiguous
+  int page, width, num_pages;
   const void* q;
   void* o;
   float* lse;

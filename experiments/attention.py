@@ -1,5 +1,6 @@
 """Times the chunked-prefill attention kernels on a GPU: FlashAttention-3 through `kj_fa3`
-(`fa3-paged`, `models/attention_fa3.py`, the route for bf16 with head_dim 128), the Mosaic GPU
+(`models/attention_fa3.py`, the route for bf16 with head_dim 128: `fa3-page128` on pages of 128
+rows read in place, as qwen3-4b's are; `fa3-paged` on pages of 16, gathered first), the Mosaic GPU
 kernel (`models/attention_hopper.py`, f16 and head_dim 64) and the Pallas Triton one
 (`models/attention_pallas.py`, the route for float32).
 
@@ -72,21 +73,25 @@ CONFIGS = {
     "triton": [(32, 64, 8, 3), (32, 64, 8, 2), (32, 128, 8, 3), (32, 128, 8, 2), (16, 64, 4, 3),
                (64, 64, 8, 3)],
     "fa3-paged": [()],
+    "fa3-page128": [()],
 }
 ANCHORS = ("torch-cudnn", "torch-flash", "jax-cudnn", "fa3")
 CONFIGS.update({a: [()] for a in ANCHORS})
 SMALL_CONFIGS = {"hopper": [(64, 64, 2)], "triton": [(8, 16, 4, 3), (16, 32, 4, 2)],
-                 "fa3-paged": [()],
+                 "fa3-paged": [()], "fa3-page128": [()],
                  **{a: [()] for a in ANCHORS}}
 NAMES = {**{k: ("block_q", "block_kv", "steps") for k in CONFIGS if k.startswith("hopper")},
          "triton": ("block_q", "block_k", "num_warps", "num_stages"), "fa3-paged": (),
-         **{a: () for a in ANCHORS}}
+         "fa3-page128": (), **{a: () for a in ANCHORS}}
+# fa3-page128: the same route on pages of 128 rows (head_dim 128's, qwen3's `page`), read in place;
+# every other kernel and anchor reads the same keys from pages of 16 (fa3-paged: gathered first)
+PAGE_OF = {"fa3-page128": 128}
 
 
 def dense(k, kv, q, positions, cu, page_table):
     """The set's k keys and values gathered out of their pages: (q [C, H, D], k, v [K, KV, D])."""
-    j = jnp.arange(k)
-    keys = kv[page_table[0, j // PAGE], j % PAGE]
+    j, page = jnp.arange(k), kv.shape[1]
+    keys = kv[page_table[0, j // page], j % page]
     return q, keys[:, 0], keys[:, 1]
 
 
@@ -154,7 +159,7 @@ def anchor_fn(kernel, scale, c, k):
 def kernel_fn(kernel, config, scale, interpret):
     """The kernel as a jitted function of a set; anchors are made by `anchor_fn`."""
     kw = dict(zip(NAMES[kernel], config))
-    if kernel == "fa3-paged":
+    if kernel in ("fa3-paged", "fa3-page128"):
         return jax.jit(lambda *x: attention_fa3.chunk_attention(*x, scale=scale))
     if kernel.startswith("hopper"):
         if interpret:
@@ -166,13 +171,13 @@ def kernel_fn(kernel, config, scale, interpret):
         *x, scale=scale, interpret=interpret, **kw))
 
 
-def make_set(key, c, k, heads, kv_heads, d, dtype):
+def make_set(key, c, k, heads, kv_heads, d, dtype, page=PAGE):
     """One item: a single sequence with c rows at positions k-c .. k-1, its k keys on shuffled
-    pages (page 0 unused, NaN)."""
-    n_pages = -(-k // PAGE)
+    pages of `page` rows (page 0 unused, NaN); the same keys and queries at any page."""
+    n_pages = -(-k // 128) * 128 // page
     perm = jax.random.permutation(jax.random.fold_in(key, 0), n_pages) + 1
-    kv = jax.random.normal(jax.random.fold_in(key, 1), (n_pages + 1, PAGE, 2, kv_heads, d), dtype)
-    kv = kv.at[0].set(jnp.nan)
+    keys = jax.random.normal(jax.random.fold_in(key, 1), (n_pages, page, 2, kv_heads, d), dtype)
+    kv = jnp.full((n_pages + 1, *keys.shape[1:]), jnp.nan, dtype).at[perm].set(keys)
     q = jax.random.normal(jax.random.fold_in(key, 2), (c, heads, d), dtype)
     positions = jnp.arange(k - c, k, dtype=jnp.int32)
     cu = jnp.array([0, c], jnp.int32)
@@ -184,8 +189,8 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
     """float32 jnp, one sequence, `rows_per_step` rows at a time (the scores fit in memory)."""
     g = q.shape[1] // kv.shape[3]
     k = int(positions[-1]) + 1
-    j = jnp.arange(k)
-    keys = kv[page_table[0, j // PAGE], j % PAGE].astype(jnp.float32)
+    j, page = jnp.arange(k), kv.shape[1]
+    keys = kv[page_table[0, j // page], j % page].astype(jnp.float32)
     kk, vv = jnp.repeat(keys[:, 0], g, axis=1), jnp.repeat(keys[:, 1], g, axis=1)
 
     @jax.jit  # keys and values as arguments: as constants XLA would fold them, slowly
@@ -203,8 +208,9 @@ def reference(kv, q, positions, cu, page_table, scale, rows_per_step=1024):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--kernel", default="fa3-paged,hopper,triton",
-                    help="comma-separated: fa3-paged, hopper, triton, an anchor (torch-cudnn, "
+    ap.add_argument("--kernel", default="fa3-page128,fa3-paged,hopper,triton",
+                    help="comma-separated: fa3-page128 (pages of 128, qwen3-4b's), fa3-paged "
+                    "(pages of 16, gathered), hopper, triton, an anchor (torch-cudnn, "
                     "torch-flash, jax-cudnn, fa3) or an experimental hopper-<name> "
                     f"({', '.join(attention_hopper.VARIANTS)})")
     ap.add_argument("--sweep", action="store_true", help="time every config of CONFIGS")
@@ -241,9 +247,9 @@ def main():
         configs = [(kn, c) for kn in kernels for c in (table[kn] if a.sweep else table[kn][:1])]
     if a.small:
         a.reps, a.inner = min(a.reps, 2), 1
-    if a.interpret and any(kn in ANCHORS or kn == "fa3-paged" for kn in kernels):
-        ap.error("--interpret: fa3-paged and the anchors (torch-*, jax-cudnn, fa3) run on a GPU "
-                 "only")
+    if a.interpret and any(kn in ANCHORS or kn.startswith("fa3-") for kn in kernels):
+        ap.error("--interpret: fa3-paged, fa3-page128 and the anchors (torch-*, jax-cudnn, fa3) "
+                 "run on a GPU only")
     if any(kn.startswith("torch") or kn == "fa3" for kn in kernels):
         # before JAX takes 75 % of the GPU
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -256,11 +262,13 @@ def main():
     for c, k in cases:
         pairs = c * (k - c) + c * (c + 1) // 2
         flops = 4 * heads * d * pairs
-        sets = [make_set(jax.random.key(i), c, k, heads, kv_heads, d, dtype)
-                for i in range(a.sets)]
-        ref = reference(*sets[0], scale)
+        by_page = {p: [make_set(jax.random.key(i), c, k, heads, kv_heads, d, dtype, p)
+                       for i in range(a.sets)]
+                   for p in {PAGE, *(PAGE_OF.get(kn, PAGE) for kn in kernels)}}
+        ref = reference(*by_page[PAGE][0], scale)
         timed = []  # (row, fn) of each config that compiled and is right
         for kn, config in configs:
+            sets = by_page[PAGE_OF.get(kn, PAGE)]
             sync = jax.block_until_ready
             if kn in ANCHORS:
                 made = anchor_fn(kn, scale, c, k)
@@ -294,11 +302,11 @@ def main():
                 continue
             for x in sets:  # warm-up
                 sync(fn(*x))
-            timed.append((row, fn, sync))
+            timed.append((row, fn, sync, sets))
         # --rounds: every config timed once a round, the order reversed every other round (an
         # A/B under ~8 % changed sign with the order on the H200: docs/lessons.md)
         for rnd in range(a.rounds):
-            for row, fn, sync in (timed if rnd % 2 == 0 else timed[::-1]):
+            for row, fn, sync, sets in (timed if rnd % 2 == 0 else timed[::-1]):
                 times, wall = [], time.time()
                 for r in range(a.reps):
                     t = time.perf_counter()
@@ -307,7 +315,7 @@ def main():
                     times.append((time.perf_counter() - t) / a.inner)
                 row.setdefault("rounds_ms", []).append(statistics.median(times) * 1e3)
                 row.setdefault("spans", []).append((wall, time.time()))
-        for row, _, _ in timed:
+        for row, *_ in timed:
             ms = statistics.median(row["rounds_ms"])
             row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
             each = "/".join(f"{flops / (x * 1e-3) / 1e12:.1f}" for x in row["rounds_ms"])

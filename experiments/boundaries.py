@@ -60,10 +60,10 @@ def main():
     kw = dict(dtype=a.dtype, rows=a.rows, context=a.context)
     fn, inputs, outputs = fam.prefill(cfg, **kw)
     program = trace(fn, inputs, outputs, rows=a.rows)
-    shape = item_shape(program, fam.PAGE)
+    shape = item_shape(program, fam.page(cfg))
     toks = np.random.default_rng(0).integers(0, cfg.vocab, a.context)
     item = make_item([Piece(toks[-a.rows:], a.context - a.rows,
-                            tuple(range(1, a.context // fam.PAGE + 1)))], shape)
+                            tuple(range(1, a.context // fam.page(cfg) + 1)))], shape)
     key = jax.random.key(0)
     args = []
     for i, s in enumerate(program.inputs):

@@ -43,9 +43,9 @@ def main():
     a = ap.parse_args()
     fam, cfg = models.named(a.model)
     program = fam.program(cfg, dtype=a.dtype, rows=a.rows, context=a.context)
-    shape = item_shape(program, fam.PAGE)
+    shape = item_shape(program, fam.page(cfg))
     item = make_item([Piece(np.zeros(a.rows, np.int32), a.context - a.rows,
-                            tuple(range(1, a.context // fam.PAGE + 1)), 1 if shape.slots else 0)],
+                            tuple(range(1, a.context // fam.page(cfg) + 1)), 1 if shape.slots else 0)],
                      shape)
     platform = export.default_export_platform()
     jp = program.jaxpr.jaxpr

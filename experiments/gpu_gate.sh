@@ -178,9 +178,9 @@ export NCCL_NVLS_ENABLE=0  # the two-GPU machine: NVLink multicast stays off
 # The device copy's git may name an older commit than the tree it holds: pass KERNJAX_COMMIT.
 export KERNJAX_COMMIT=${KERNJAX_COMMIT:-}
 CHUNKS=${CHUNKS:-"512 64"}
-# qwen3-4b serving runs: context 16384 (1024 pages of 16), room for 16 sequences + page 0; the
-# unpacked runs (--seqs 1) get the same pool, so packing is all that differs
-CONTEXT=16384; POOL=$((16 * CONTEXT / 16 + 1))
+# qwen3-4b serving runs: context 16384 (128 pages of 128, qwen3-4b's page), room for 16 sequences
+# + page 0; the unpacked runs (--seqs 1) get the same pool, so packing is all that differs
+CONTEXT=16384; POOL=$((16 * CONTEXT / 128 + 1))
 log() { echo "== $(date -u +%FT%TZ) $*" | tee -a "$OUT/gate.log"; }
 say() { tee -a "$OUT/gate.log"; }
 # The device tool brings back 8 files: the logs travel packed, and only the packed copy stays.

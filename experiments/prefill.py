@@ -237,6 +237,7 @@ class JaxSystem:
     def __init__(self, name, fam, cfg, args, weights, tokens):
         self.name, self.fam, self.cfg, self.args = name, fam, cfg, args
         self.weights, self.tokens = weights, tokens
+        self.page = args.page or fam.page(cfg)  # rows a KV page holds
         self.compiled: dict = {}
         self.notes: list = []
         self.exact_rows: set = set()  # chunk rows whose shared-context program failed to build
@@ -247,13 +248,13 @@ class JaxSystem:
     def context(self, s, rows):
         shared = not self.args.exact_context and rows < s and rows not in self.exact_rows
         ctx = (self.args.shared_context or max(self.args.prompts)) if shared else s
-        return -(-ctx // self.fam.PAGE) * self.fam.PAGE
+        return -(-ctx // self.page) * self.page
 
     def has(self, s, rows):
         return (rows, self.context(s, rows)) in self.compiled
 
     def make_items(self, entry, s, rows):
-        pages = tuple(range(1, -(-s // self.fam.PAGE) + 1))
+        pages = tuple(range(1, -(-s // self.page) + 1))
         toks = self.tokens[s]
         return [{k: jax.device_put(v) for k, v in
                  make_item([Piece(toks[a:b], a, pages)], entry["shape"]).items()}
@@ -273,7 +274,7 @@ class JaxSystem:
                 entry = self.build(s, rows, ctx)
             except Exception as e:  # noqa: BLE001
                 self.compiled[(rows, ctx)] = e
-                exact = -(-s // self.fam.PAGE) * self.fam.PAGE
+                exact = -(-s // self.page) * self.page
                 if ctx == exact:
                     raise
                 msg = (f"{self.name} rows {rows}: the program with the largest context {ctx} "
@@ -337,7 +338,8 @@ class JaxSystem:
 
     def _program(self, rows, ctx):
         t = time.perf_counter()
-        program = self.fam.program(self.cfg, dtype=self.args.dtype, rows=rows, seqs=1, context=ctx)
+        program = self.fam.program(self.cfg, dtype=self.args.dtype, rows=rows, seqs=1, context=ctx,
+                                   **({"page_rows": self.page} if self.args.page else {}))
         return program, time.perf_counter() - t
 
     def _parts_of(self, stages, rows):
@@ -365,7 +367,7 @@ class Kernjax(JaxSystem):
         else:
             stages = list(cut(program, parse_at(self.args.at_of(self.cfg), program.calls)))
         parts, info = self._parts_of(stages, rows)
-        return {"parts": parts, "shape": item_shape(program, self.fam.PAGE),
+        return {"parts": parts, "shape": item_shape(program, self.page),
                 "state_slots": [sl for st in stages for sl in st.inputs if sl.role == "state"],
                 "extra": {"points": list(stages[0].points), "jaxprs": [program.jaxpr]},
                 "info": {"trace_s": t_trace, "parts": info}}
@@ -380,7 +382,7 @@ class Unconstrained(JaxSystem):
         compiled, times = _compile(fn, [sl.spec() for sl in inputs], rows, _donate(inputs),
                                    (leaf, 1))
         return {"parts": [Part(compiled, tuple(inputs), tuple(outputs))],
-                "shape": item_shape(program, self.fam.PAGE),
+                "shape": item_shape(program, self.page),
                 "state_slots": [sl for sl in inputs if sl.role == "state"], "extra": {},
                 "info": {"trace_s": t_trace, "parts": [{"export_s": 0.0, **times}]}}
 
@@ -664,6 +666,7 @@ class Results:
             "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
                                 xla.compile_options(xla.GRAPHS_BELOW_ROWS)},
             "publish": PUBLISH,
+            "page": args.page or models.family("qwen3").page(cfg),
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
             "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
@@ -833,7 +836,9 @@ class Results:
                       self.compile_table("compile_second"), ""]
         lines += ["## How it was measured", "",
                   "- One prompt of S random tokens (seed 0, the same for every system), one "
-                  "sequence per item, page ids 1..S/16. A chunk >= S is S: one pass of S rows; "
+                  f"sequence per item, pages of {d.get('page', 16)} rows (kernjax), ids "
+                  f"1..S/{d.get('page', 16)}. "
+                  "A chunk >= S is S: one pass of S rows; "
                   "two chunk settings that give the same rows at one S share a program and a "
                   "measurement.",
                   "- kernjax: `models.qwen3.program(rows=chunk, seqs=1, context)` (context "
@@ -1304,6 +1309,9 @@ def parse_args(argv=None):
     ap.add_argument("--min_row_s", type=float, default=0.5, help="a row whose warm-up took t "
                     "seconds gets at least min_row_s / (t + idle) timed prefills (at most 25): a "
                     "15 ms row's median of 3 moved by 5 %% between tables")
+    ap.add_argument("--page", type=int, default=0, help="rows a KV page holds in kernjax's "
+                    "programs (default: the model's, `page(cfg)`: 128 for qwen3-4b); 16 for an "
+                    "A/B against pages gathered before FlashAttention-3")
     ap.add_argument("--publish", type=int, default=1, help="1: every JAX system's program "
                     "publishes its token to the host itself, as kernjax's runner does "
                     "(`kernjax.tokens`), and a row's time ends when the host has it; 0: the "

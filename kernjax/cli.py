@@ -295,7 +295,7 @@ whole/ into DIR, replacing a previous cut there."""
               f"{time.time() - t0:.1f} s")
         print(describe(program, stages))
         meta = dict(model=model_meta(fam, cfg), checkpoint=ref, dtype=dtype,
-                    item=item_shape(program, fam.PAGE))
+                    item=item_shape(program, fam.page(cfg)))
         write_cut(out, (*stages, whole(program)), old, meta)
         print(f"wrote {counted(len(stages), 'stage')} and whole/ to {out} in "
               f"{time.time() - t0:.1f} s")
@@ -386,7 +386,7 @@ def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, con
     program = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context)
     return artifacts.read(artifacts.write(out, whole(program), model=model_meta(fam, cfg),
                                           checkpoint=ref, dtype=dtype,
-                                          item=item_shape(program, fam.PAGE)))
+                                          item=item_shape(program, fam.page(cfg))))
 
 
 def _stages_checkpoint(sd: Path, names) -> Path:
@@ -473,7 +473,7 @@ prompt's length and its first token."""
             ref_dir = checkpoint_dir(ref)
             tokens = _prompt(ref_dir, cfg.vocab)
             # The smallest whole program that holds the prompt: one sequence, whole pages.
-            context = -(-len(tokens) // fam.PAGE) * fam.PAGE
+            context = -(-len(tokens) // fam.page(cfg)) * fam.page(cfg)
             with tempfile.TemporaryDirectory() as tmp:
                 art = whole_artifact(fam, cfg, ref, dtype, rows=FLAGS.chunk or 512, seqs=1,
                                      context=context, out=Path(tmp) / "whole")

@@ -1,8 +1,8 @@
 """Model families kernjax can trace, installed as `kernjax.models`. All model knowledge lives here.
 
 A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
-`weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `PAGE`, and
-`prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. A family whose checkpoint holds
+`weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `page(cfg)` (rows a KV page
+holds), and `prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. A family whose checkpoint holds
 weights in another form than its program reads also provides `derived(cfg)` (the derive program,
 `kernjax/derive.py`; a float weight it makes is in `cfg.dtype`, which the loader sets to the
 program's): qwen3 fuses q/k/v, k3 shuffles MXFP4 experts. Sources in the model's dtype are among

@@ -3,7 +3,8 @@
 One item holds the rows of up to `seqs` sequences, split by `cu_seqlens` (rows past
 `cu_seqlens[-1]` are padding). Row r of sequence s sits at absolute position `positions[r]` and
 attends over keys 0..positions[r] of s (causal, aligned bottom-right: the chunk's own keys are
-already in the pages), read through `page_table[s]` from `kv` `[pages, 16, 2, kv_heads, head_dim]`.
+already in the pages), read through `page_table[s]` from `kv` `[pages, page, 2, kv_heads, head_dim]`
+(`page` rows a page: 128 where FlashAttention-3 reads the pages in place, else 16; `page_size`).
 GQA: query head h reads kv head h // (heads / kv_heads). Scores and softmax in float32, the
 probabilities cast to the input dtype before they meet the values (as flash attention does),
 padding rows written as zeros.
@@ -32,8 +33,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-PAGE = 16
 NEG = -1e30  # a masked score: finite, so a row that has seen no key yet gets p = 0, not NaN
+
+
+def page_size(head_dim: int) -> int:
+    """Rows a KV page holds for a model of `head_dim`: 128 for head_dim 128, whose bf16 attention
+    FlashAttention-3 runs, reading each page in place with TMA as one key block (a page must be a
+    whole 128-row block for that); else 16, so a short prompt wastes little of its last page.
+    A model constant, the same on every platform (the state's shape is in the cut id)."""
+    return 128 if head_dim == 128 else 16
 
 
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
@@ -41,7 +49,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     from . import attention_fa3, attention_hopper, attention_pallas
 
     gpu = (attention_fa3 if attention_fa3.supports(q.dtype, q.shape, kv.shape)
-           else attention_hopper if attention_hopper.supports(q.dtype, q.shape[-1])
+           else attention_hopper if attention_hopper.supports(q.dtype, q.shape[-1], kv.shape[1])
            else attention_pallas)
     return jax.lax.platform_dependent(
         kv, q, positions, cu_seqlens, page_table,
@@ -55,13 +63,13 @@ def exact(dtype):
     return jax.lax.Precision.HIGHEST if dtype == jnp.float32 else None
 
 
-def item_rows(positions, cu_seqlens, page_table, *, block: int, own_at):
+def item_rows(positions, cu_seqlens, page_table, *, page: int, block: int, own_at):
     """What every blockwise route needs of an item: the page table padded to whole key blocks,
     each row's sequence (`own`, clamped for padding rows and indexed with `own_at` to broadcast
     against the caller's score layout), which rows are real (`valid`) and how many key blocks the
     item's longest row reaches (`needed`)."""
     seqs, width = page_table.shape
-    per = block // PAGE
+    per = block // page
     nb = -(-width // per)
     table = jnp.pad(page_table, ((0, 0), (0, nb * per - width)))
     seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(positions.shape[0]), side="right")
@@ -81,10 +89,10 @@ def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: 
     rows, heads, d = q.shape
     kvh = kv.shape[3]
     g = heads // kvh
-    seqs = page_table.shape[0]
-    per = block // PAGE
-    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, block=block,
-                                          own_at=(None, None, slice(None), None, None))
+    seqs, page = page_table.shape[0], kv.shape[1]
+    per = block // page
+    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, page=page,
+                                          block=block, own_at=(None, None, slice(None), None, None))
     qg = q.reshape(rows, kvh, g, d)
     f32 = jnp.float32
     prec = exact(q.dtype)
@@ -119,15 +127,15 @@ def reference(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     """The same function in float32 with the whole score matrix, for tests: slow, obviously right."""
     rows, heads, d = q.shape
     seqs, width = page_table.shape
-    kvh = kv.shape[3]
-    ctx = kv[page_table.reshape(-1)].reshape(seqs, width * PAGE, 2, kvh, d).astype(jnp.float32)
+    kvh, n_keys = kv.shape[3], width * kv.shape[1]
+    ctx = kv[page_table.reshape(-1)].reshape(seqs, n_keys, 2, kvh, d).astype(jnp.float32)
     seq = jnp.searchsorted(cu_seqlens[1:], jnp.arange(rows), side="right")
     valid = seq < seqs
     keys = ctx[jnp.minimum(seq, seqs - 1)]  # [rows, keys, 2, kvh, d]
     qg = q.astype(jnp.float32).reshape(rows, kvh, heads // kvh, d)
     hi = jax.lax.Precision.HIGHEST
     s = jnp.einsum("rkgd,rtkd->rkgt", qg, keys[:, :, 0], precision=hi) * scale
-    mask = valid[:, None] & (jnp.arange(width * PAGE)[None, :] <= positions[:, None])
+    mask = valid[:, None] & (jnp.arange(n_keys)[None, :] <= positions[:, None])
     p = jax.nn.softmax(jnp.where(mask[:, None, None], s, -jnp.inf), axis=-1)
     o = jnp.einsum("rkgt,rtkd->rkgd", p, keys[:, :, 1], precision=hi)
     return jnp.where(valid[:, None, None, None], o, 0.0).reshape(rows, heads, d)

@@ -108,10 +108,10 @@ def _unnumbered_kernel_modules() -> None:
 _unnumbered_kernel_modules()
 
 
-def supports(q_dtype, head_dim: int) -> bool:
-    """Whether this kernel takes the shape; the Triton kernel takes the rest."""
+def supports(q_dtype, head_dim: int, page: int = PAGE) -> bool:
+    """Whether this kernel takes the shape (pages of 16 rows); the Triton kernel takes the rest."""
     return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
-        head_dim in (64, 128)
+        head_dim in (64, 128) and page == PAGE
 
 
 def _named_barrier(op: str, wg, mine: bool):

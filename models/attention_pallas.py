@@ -2,8 +2,9 @@
 
 `chunk_attention` computes, for every row `r` of sequence `s` (rows `cu_seqlens[s]` ..
 `cu_seqlens[s+1]-1`), softmax(q[r] . k * scale) @ v over keys `0 .. positions[r]` of `s`, read
-through `page_table[s]` from `kv[page, offset, 0|1, kv_head]` (pages of 16 tokens). The chunk's own
-keys are already in the pages, so the mask is causal by absolute position (bottom-right aligned).
+through `page_table[s]` from `kv[page, offset, 0|1, kv_head]` (pages of P tokens, a power of
+two). The chunk's own keys are already in the pages, so the mask is causal by absolute position
+(bottom-right aligned).
 
 Grid `(tiles, kv heads)`. A tile is `block_q` consecutive rows of one sequence, starting at
 `cu_seqlens[s] + t * block_q`, times the `G = H / KV` query heads that share kv head `h` (GQA): its
@@ -22,8 +23,8 @@ exactly, and a block wholly past a row's position is an exact no-op for it (m un
 alpha = exp2(0) = 1, and p = 0 adds 0 to l and acc), so a row's result depends only on its own sequence and its offset in that sequence's chunk: not on
 what else the item holds, and not on the grid. No split-K, no atomics.
 
-Keys are gathered per key: the page of key j is `page_table[s, j // 16]`, and its row in `kv`
-viewed as `[pages * 16 * 2 * KV, D]` is `((page * 16 + j % 16) * 2 + 0|1) * KV + h`. Loads past
+Keys are gathered per key: the page of key j is `page_table[s, j // P]`, and its row in `kv`
+viewed as `[pages * P * 2 * KV, D]` is `((page * P + j % P) * 2 + 0|1) * KV + h`. Loads past
 the tile's last position are masked (never read), so stale pages can hold anything, even NaN.
 
 Requirements (Triton): `block_q * G`, `block_k` and `D` powers of two, each at least 16.
@@ -48,13 +49,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-PAGE = 16
 # Finite, so a row with nothing visible yet stays finite; after scaling, never overflows.
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads, kv_heads,
-            width, scale, block_q, block_k):
+            width, page, scale, block_q, block_k):
     groups = heads // kv_heads
     # Program j takes the j-th tile from the end of the list of every segment's tiles, segments
     # being the sequences and then the padding rows: the longest tiles start first.
@@ -98,9 +98,9 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads,
             k_pos = b * block_k + jnp.arange(block_k)
             k_ok = (k_pos <= hi) if masked else None
             # Page ids per key; with `masked`, keys past the tile are never read.
-            page = plgpu.load(pt_ref.at[s * width + (k_pos >> 4)], mask=k_ok,
-                              other=0 if masked else None)  # k_pos // 16
-            k_row = ((page * PAGE + (k_pos & (PAGE - 1))) * 2) * kv_heads + h
+            pg = plgpu.load(pt_ref.at[s * width + (k_pos >> (page.bit_length() - 1))],
+                            mask=k_ok, other=0 if masked else None)  # k_pos // page
+            k_row = ((pg * page + (k_pos & (page - 1))) * 2) * kv_heads + h
             mk = k_ok[:, None] if masked else None
             other = 0 if masked else None
             k = plgpu.load(kv_ref.at[k_row[:, None], col], mask=mk, other=other)
@@ -133,7 +133,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
                     num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk.
 
-    kv: `[pages, 16, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16,
+    kv: `[pages, P, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16,
     or f32 for tests); positions: int32 `[rows]`; cu_seqlens: int32 `[seqs + 1]`; page_table:
     int32 `[seqs, width]`; scale: the softmax scale (static).
 
@@ -148,7 +148,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     rows, heads, dq = q.shape
     seqs, width = page_table.shape
     groups = heads // kv_heads
-    if page != PAGE or two != 2 or dq != d or heads % kv_heads or kv.dtype != q.dtype:
+    if (page < 1 or page & (page - 1) or two != 2 or dq != d or heads % kv_heads
+            or kv.dtype != q.dtype):
         raise ValueError(f"bad shapes: kv {kv.shape} {kv.dtype}, q {q.shape} {q.dtype}")
     if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
         raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
@@ -161,7 +162,7 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
     if num_stages is None:
         num_stages = 3 if d <= 128 else 2
     kernel = functools.partial(
-        _kernel, seqs=seqs, rows=rows, heads=heads, kv_heads=kv_heads, width=width,
+        _kernel, seqs=seqs, rows=rows, heads=heads, kv_heads=kv_heads, width=width, page=page,
         scale=float(scale), block_q=block_q, block_k=block_k)
     out = pl.pallas_call(
         kernel,

@@ -45,7 +45,14 @@ from .qwen3 import (add_norm, argmax, embed, gate_up, input_norm, linear, lm_hea
                     silu_mul)
 from .qwen3 import random_weight as _qwen3_random
 
-PAGE = 16
+PAGE = mla.PAGE
+
+
+def page(cfg) -> int:
+    """Rows a KV page holds: 16 for every k3 model (its latent state, models/mla.py)."""
+    return PAGE
+
+
 FALLBACKS: dict[str, str] = {}
 
 

@@ -43,7 +43,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .attention import NEG, PAGE, exact, item_rows
+from .attention import NEG, exact, item_rows
+
+PAGE = 16  # rows a page of the latent state holds (models/k3.py's)
 
 
 def softmax_scale(nope: int, rope: int) -> float:
@@ -92,8 +94,8 @@ def attend(state, q_nope, q_pe, w_kv_b, positions, cu_seqlens, page_table, *, sc
     vd = w_uv.shape[1]
     seqs = page_table.shape[0]
     per = block // PAGE
-    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, block=block,
-                                          own_at=(None, slice(None), None, None))
+    table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, page=PAGE,
+                                          block=block, own_at=(None, slice(None), None, None))
     f32 = jnp.float32
     prec = exact(dtype)
     key0 = jnp.arange(block)

@@ -16,8 +16,8 @@ K6, seventh session); gate_proj and up_proj stay two weights: fused they measure
 
 One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequences, split by
 `cu_seqlens`; rows past `cu_seqlens[-1]` are padding. Each layer has its own paged KV state
-`kv.i` of `[pages, 16, 2, kv_heads, head_dim]`; `kv_write` stores the chunk's keys and values at
-`slots` (`page * 16 + offset`; an out-of-range slot drops a padding row), and `attn` reads every
+`kv.i` of `[pages, page, 2, kv_heads, head_dim]` (`page(cfg)` rows a page: 128 at head_dim 128,
+else 16); `kv_write` stores the chunk's keys and values at `slots` (`page * rows + offset`; an out-of-range slot drops a padding row), and `attn` reads every
 earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
 blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU; on CUDA GPUs
 FlashAttention-3 for bf16, a Pallas Triton kernel for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
@@ -41,9 +41,14 @@ from kernjax.derive import Recipe
 from kernjax.trace import Program, Slot, call, on_gpu, trace
 
 from . import dense_cuda, mlp_hopper
-from .attention import chunk_attention, exact
+from .attention import chunk_attention, exact, page_size
 
-PAGE = 16
+
+def page(cfg: Config) -> int:
+    """Rows a KV page holds for `cfg`: 128 for head_dim 128 (FlashAttention-3 reads each page in
+    place), else 16 (`attention.page_size`)."""
+    return page_size(cfg.head_dim)
+
 # Tensors a checkpoint may omit, and what is read instead: none. A tied head is the embedding
 # (`tie_word_embeddings`: the program reads no lm_head.weight); an untied one must be there.
 FALLBACKS: dict[str, str] = {}
@@ -228,17 +233,17 @@ def argmax(logits):
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None) -> Program:
+            pages: int | None = None, page_rows: int | None = None) -> Program:
     """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program.
 
     Takes the arguments of `prefill`.
     """
-    return trace(*prefill(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages),
-                 rows=rows)
+    return trace(*prefill(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages,
+                          page_rows=page_rows), rows=rows)
 
 
 def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None):
+            pages: int | None = None, page_rows: int | None = None):
     """The prefill forward of `cfg` as `(fn, inputs, outputs)`, ready for `trace`.
 
     Args:
@@ -248,16 +253,18 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
       seqs: sequences one run may hold (pieces split by `cu_seqlens`).
       context: the longest sequence, in tokens; sets the page table's width.
       pages: pages per KV state, page 0 included; by default room for `seqs` full contexts.
+      page_rows: rows a page holds, by default `page(cfg)` (experiments compare 16 and 128).
     """
     if context > cfg.max_positions:
         raise ValueError(f"context {context} is past the model's max_position_embeddings "
                          f"{cfg.max_positions}")
-    width = -(-context // PAGE)
+    rows_a_page = page_rows or page(cfg)
+    width = -(-context // rows_a_page)
     pages = pages or seqs * width + 1
     dt = jnp.dtype(dtype)
     L, H, KV, D = cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim
     inputs = [Slot(n, "weight", dt.name, s) for n, s in program_weights(cfg)]
-    inputs += [Slot(f"kv.{i}", "state", dt.name, (pages, PAGE, 2, KV, D)) for i in range(L)]
+    inputs += [Slot(f"kv.{i}", "state", dt.name, (pages, rows_a_page, 2, KV, D)) for i in range(L)]
     inputs += [Slot("tokens", "fill", "int32", (rows,)), Slot("positions", "fill", "int32", (rows,)),
                Slot("slots", "fill", "int32", (rows,)),
                Slot("cu_seqlens", "fill", "int32", (seqs + 1,)),
@@ -292,7 +299,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         # Slots are distinct (kernjax.item), so the scatters promise unique indices: a GPU
         # stores each row once, no atomics. K and V go separately: no stacked copy.
         v = qkv[:, (H + KV) * D:].reshape(rows, KV, D)
-        flat = kv.reshape(pages * PAGE, 2, KV, D)
+        flat = kv.reshape(pages * rows_a_page, 2, KV, D)
         flat = flat.at[slots, 0].set(k, mode="drop", unique_indices=True)
         flat = flat.at[slots, 1].set(v, mode="drop", unique_indices=True)
         return flat.reshape(kv.shape)

@@ -19,47 +19,48 @@ from kernjax.item import Piece, Shape, item_shape, make_item
 from kernjax.models import attention
 from kernjax.stage import export_stage
 
-PAGE = attention.PAGE
-
-
-def lease(rng, lengths, chunks, *, width, rows, seqs):
-    """`(pages, item)`: sequences of `lengths[i]` tokens on shuffled pages (two spare pages stay
-    unused, page 0 is never leased) and the item of each sequence's last `chunks[i]` rows."""
-    need = [-(-n // PAGE) for n in lengths]
+def lease(rng, lengths, chunks, *, width, rows, seqs, page=16):
+    """`(pages, item)`: sequences of `lengths[i]` tokens on shuffled pages of `page` rows (two
+    spare pages stay unused, page 0 is never leased) and the item of each sequence's last
+    `chunks[i]` rows."""
+    need = [-(-n // page) for n in lengths]
     ids = rng.permutation(np.arange(1, sum(need) + 3))
     pieces, at = [], 0
     for n, c, k in zip(lengths, chunks, need):
         pieces.append(Piece(np.zeros(c, np.int32), n - c, tuple(int(i) for i in ids[at:at + k])))
         at += k
-    return len(ids) + 1, make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, PAGE))
+    return len(ids) + 1, make_item(pieces, Shape(rows, seqs, width, len(ids) + 1, page))
 
 
-def paged(rng, lengths, chunks, *, kvh, heads, d, width, dtype, rows, seqs):
+def paged(rng, lengths, chunks, *, kvh, heads, d, width, dtype, rows, seqs, page=16):
     """A random paged state holding `lengths[i]` tokens of each sequence on shuffled pages, and the
     item of each sequence's last `chunks[i]` rows (their keys are already in the pages)."""
-    pages, item = lease(rng, lengths, chunks, width=width, rows=rows, seqs=seqs)
-    kv = rng.standard_normal((pages, PAGE, 2, kvh, d)).astype(np.float32)
+    pages, item = lease(rng, lengths, chunks, width=width, rows=rows, seqs=seqs, page=page)
+    kv = rng.standard_normal((pages, page, 2, kvh, d)).astype(np.float32)
     q = rng.standard_normal((rows, heads, d)).astype(np.float32)
     cast = lambda x: jnp.asarray(x, dtype)  # noqa: E731
     return (cast(kv), cast(q), jnp.asarray(item["positions"]), jnp.asarray(item["cu_seqlens"]),
             jnp.asarray(item["page_table"]))
 
 
-CASES = [  # (lengths, chunk rows per sequence, rows, seqs, width, block)
-    ([40], [40], 48, 1, 4, 32),  # one sequence from position 0, padding rows after it
-    ([100], [7], 8, 1, 8, 32),  # a chunk at the end of a 100-token context, last page part full
-    ([37, 1, 64], [5, 1, 16], 24, 4, 5, 32),  # three packed, one empty slot
-    ([129, 17], [64, 17], 96, 2, 9, 128),
+CASES = [  # (lengths, chunk rows per sequence, rows, seqs, width, block, page)
+    ([40], [40], 48, 1, 4, 32, 16),  # one sequence from position 0, padding rows after it
+    ([100], [7], 8, 1, 8, 32, 16),  # a chunk at the end of a 100-token context, last page part full
+    ([37, 1, 64], [5, 1, 16], 24, 4, 5, 32, 16),  # three packed, one empty slot
+    ([129, 17], [64, 17], 96, 2, 9, 128, 16),
+    # pages of 128 (head_dim 128's, `attention.page_size`): one page a key block, or two
+    ([300, 129, 5], [44, 129, 5], 192, 4, 3, 128, 128),
+    ([300, 40], [300, 1], 320, 2, 3, 256, 128),
 ]
 
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-5), ("bfloat16", 1e-2)])
 @pytest.mark.parametrize("case", CASES)
 def test_blockwise_is_attention(case, dtype, tol):
-    lengths, chunks, rows, seqs, width, block = case
+    lengths, chunks, rows, seqs, width, block, page = case
     rng = np.random.default_rng(len(lengths) * 100 + rows)
     args = paged(rng, lengths, chunks, kvh=2, heads=4, d=16, width=width, dtype=dtype,
-                 rows=rows, seqs=seqs)
+                 rows=rows, seqs=seqs, page=page)
     got = jax.jit(functools.partial(attention.blockwise, scale=0.25, block=block))(*args)
     ref = attention.reference(*[a.astype(jnp.float32) if a.dtype == dtype else a for a in args],
                               scale=0.25)
@@ -94,7 +95,7 @@ def test_a_prompt_alone_and_packed_gives_the_same_logits(head_dim):
     fam, cfg = models.named("qwen3-tiny")
     cfg = dataclasses.replace(cfg, head_dim=head_dim)
     program = fam.program(cfg, dtype="bfloat16", rows=64, seqs=4, context=256)
-    shape = item_shape(program, fam.PAGE)
+    shape = item_shape(program, fam.page(cfg))
     donate = tuple(i for i, s in enumerate(program.inputs) if s.role == "state")
     fn = jax.jit(export_stage(whole(program)).call, donate_argnums=donate)
     rng = np.random.default_rng(3)

@@ -25,20 +25,22 @@ from kernjax.models.attention_pallas import chunk_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 
-PAGE = 16
+PAGE = 16  # rows a page unless a test says otherwise; 128 is head_dim 128's (attention.page_size)
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
-def make_item(rng, pieces, *, rows, heads, kv_heads, d, dtype, width=None, order=None):
+def make_item(rng, pieces, *, rows, heads, kv_heads, d, dtype, width=None, order=None,
+              page=PAGE):
     """A packed item. pieces: (prefix, chunk) per sequence; the chunk's rows are at positions
-    prefix .. prefix+chunk-1 and its keys (like the prefix's) are already in the pages. Pages are
-    shuffled; unused slots are NaN. `order` permutes the page ids (for a reproducible layout)."""
+    prefix .. prefix+chunk-1 and its keys (like the prefix's) are already in the pages of `page`
+    rows. Pages are shuffled; unused slots are NaN. `order` permutes the page ids (for a
+    reproducible layout)."""
     seqs = len(pieces)
-    need = [-(-(p + c) // PAGE) for p, c in pieces]
+    need = [-(-(p + c) // page) for p, c in pieces]
     width = width or max(max(need), 1)
     pages = sum(need) + 1
     ids = order if order is not None else rng.permutation(np.arange(1, pages))
-    kv = np.full((pages, PAGE, 2, kv_heads, d), np.nan, np.float32)
+    kv = np.full((pages, page, 2, kv_heads, d), np.nan, np.float32)
     page_table = np.zeros((seqs, width), np.int32)
     cu = np.zeros(seqs + 1, np.int32)
     positions = np.zeros(rows, np.int32)
@@ -48,7 +50,7 @@ def make_item(rng, pieces, *, rows, heads, kv_heads, d, dtype, width=None, order
         at += need[s]
         n = prefix + chunk
         j = np.arange(n)
-        kv[page_table[s, j // PAGE], j % PAGE] = rng.standard_normal((n, 2, kv_heads, d))
+        kv[page_table[s, j // page], j % page] = rng.standard_normal((n, 2, kv_heads, d))
         cu[s + 1] = cu[s] + chunk
         positions[cu[s]:cu[s + 1]] = prefix + np.arange(chunk)
     assert cu[-1] <= rows
@@ -63,14 +65,14 @@ def reference(kv, q, positions, cu, page_table, scale):
     kv, q = np.asarray(kv, np.float64), np.asarray(q, np.float64)
     positions, cu, page_table = map(np.asarray, (positions, cu, page_table))
     rows, heads, d = q.shape
-    g = heads // kv.shape[3]
+    g, page = heads // kv.shape[3], kv.shape[1]
     out = np.zeros_like(q)
     for s in range(len(cu) - 1):
         r = np.arange(cu[s], cu[s + 1])
         if not len(r):
             continue
         j = np.arange(positions[r].max() + 1)
-        keys = kv[page_table[s, j // PAGE], j % PAGE]  # [n, 2, KV, D]
+        keys = kv[page_table[s, j // page], j % page]  # [n, 2, KV, D]
         k, v = np.repeat(keys[:, 0], g, axis=1), np.repeat(keys[:, 1], g, axis=1)
         sc = np.einsum("rhd,nhd->rhn", q[r], np.nan_to_num(k)) * scale
         sc = np.where(j[None, None, :] <= positions[r][:, None, None], sc, -np.inf)
@@ -88,22 +90,24 @@ def check(out, ref, cu, tol):
     assert err < tol, err
 
 
-# (pieces, rows, heads, kv_heads, d, block_q, block_k)
+# (pieces, rows, heads, kv_heads, d, block_q, block_k, page)
 CASES = {
-    "one-seq": ([(0, 40)], 48, 4, 2, 32, 8, 16),
-    "packed-prefix-empty": ([(5, 17), (0, 0), (37, 20), (70, 1)], 48, 4, 2, 32, 8, 16),
-    "gqa4-long-prefix": ([(100, 9), (0, 16), (33, 30)], 64, 8, 2, 16, 4, 32),
-    "mha-blocks32": ([(20, 45), (63, 1)], 50, 2, 2, 32, 16, 32),
-    "all-padding": ([(10, 0), (0, 0)], 16, 4, 2, 32, 8, 16),
+    "one-seq": ([(0, 40)], 48, 4, 2, 32, 8, 16, 16),
+    "packed-prefix-empty": ([(5, 17), (0, 0), (37, 20), (70, 1)], 48, 4, 2, 32, 8, 16, 16),
+    "gqa4-long-prefix": ([(100, 9), (0, 16), (33, 30)], 64, 8, 2, 16, 4, 32, 16),
+    "mha-blocks32": ([(20, 45), (63, 1)], 50, 2, 2, 32, 16, 32, 16),
+    "all-padding": ([(10, 0), (0, 0)], 16, 4, 2, 32, 8, 16, 16),
+    "pages-of-128": ([(200, 9), (0, 30), (120, 10)], 64, 4, 2, 16, 8, 32, 128),
 }
 
 
 @pytest.mark.parametrize("case,dtype", [(c, "float32") for c in CASES] + [
     (c, "bfloat16") for c in ("packed-prefix-empty", "gqa4-long-prefix", "mha-blocks32")])
 def test_matches_reference(case, dtype):
-    pieces, rows, heads, kv_heads, d, bq, bk = CASES[case]
+    pieces, rows, heads, kv_heads, d, bq, bk, page = CASES[case]
     rng = np.random.default_rng(len(case))
-    args = make_item(rng, pieces, rows=rows, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype)
+    args = make_item(rng, pieces, rows=rows, heads=heads, kv_heads=kv_heads, d=d, dtype=dtype,
+                     page=page)
     scale = d ** -0.5
     out = chunk_attention(*args, scale=scale, block_q=bq, block_k=bk, interpret=True)
     assert out.shape == (rows, heads, d) and out.dtype == jnp.dtype(dtype)
@@ -163,8 +167,8 @@ def test_lowers_to_triton():
 def _reference_block(kv, pt_row, qs, pos, scale, *, n, g):
     """float32: rows `qs` at positions `pos` of one sequence over its keys 0..n-1 (masked by
     position; keys past the context are gathered from wherever and masked)."""
-    j = jnp.arange(n)
-    keys = kv[pt_row[jnp.minimum(j // PAGE, pt_row.shape[0] - 1)], j % PAGE]
+    j, page = jnp.arange(n), kv.shape[1]
+    keys = kv[pt_row[jnp.minimum(j // page, pt_row.shape[0] - 1)], j % page]
     keys = jnp.nan_to_num(keys.astype(jnp.float32))
     k, v = jnp.repeat(keys[:, 0], g, axis=1), jnp.repeat(keys[:, 1], g, axis=1)
     hi = jax.lax.Precision.HIGHEST
@@ -190,10 +194,10 @@ def _gpu_reference(kv, q, positions, cu, page_table, scale, step=1024):
     return out
 
 
-def _gpu_item(seed, pieces, rows, width=None):
+def _gpu_item(seed, pieces, rows, width=None, page=PAGE):
     """Like make_item, built on the device (contexts up to 32k would be slow from numpy)."""
     rng = np.random.default_rng(seed)
-    need = [-(-(p + c) // PAGE) for p, c in pieces]
+    need = [-(-(p + c) // page) for p, c in pieces]
     width = width or max(max(need), 1)
     pages = sum(need) + 1
     ids = rng.permutation(np.arange(1, pages))
@@ -207,7 +211,7 @@ def _gpu_item(seed, pieces, rows, width=None):
         cu[s + 1] = cu[s] + chunk
         positions[cu[s]:cu[s + 1]] = prefix + np.arange(chunk)
     key = jax.random.key(seed)
-    kv = jax.random.normal(key, (pages, PAGE, 2, 8, 128), jnp.bfloat16)
+    kv = jax.random.normal(key, (pages, page, 2, 8, 128), jnp.bfloat16)
     kv = kv.at[0].set(jnp.nan)  # unused page-table entries point here
     q = jax.random.normal(jax.random.fold_in(key, 1), (rows, 32, 128), jnp.bfloat16)
     return kv, q, jnp.asarray(positions), jnp.asarray(cu), jnp.asarray(page_table)
@@ -224,7 +228,9 @@ GPU_ITEMS = {
 
 
 KERNELS = {"triton": chunk_attention, "hopper": attention_hopper.chunk_attention,
-           "fa3": attention_fa3.chunk_attention}
+           "fa3": attention_fa3.chunk_attention, "fa3-page128": attention_fa3.chunk_attention,
+           "triton-page128": chunk_attention}
+PAGES = {k: 128 if k.endswith("page128") else PAGE for k in KERNELS}  # rows a page, by kernel
 VARIANTS = {f"hopper-{k}": kw for k, kw in attention_hopper.VARIANTS.items()}
 TRY_VARIANTS = bool(os.environ.get("KERNJAX_TRY_VARIANTS"))
 if TRY_VARIANTS:  # experiments/gpu_gate.sh variant: the experiments' checks, in a device call of
@@ -239,7 +245,7 @@ if TRY_VARIANTS:  # experiments/gpu_gate.sh variant: the experiments' checks, in
 def test_gpu_matches_reference(name, kernel):
     chunk_attention = KERNELS[kernel]
     pieces, rows = GPU_ITEMS[name]
-    args = _gpu_item(len(name), pieces, rows)
+    args = _gpu_item(len(name), pieces, rows, page=PAGES.get(kernel, PAGE))
     scale = 128 ** -0.5
     poison = jnp.full((rows, 32, 128), jnp.nan, jnp.bfloat16)  # likely reused for the output
     poison.block_until_ready()
@@ -267,9 +273,10 @@ def test_gpu_batch_invariance(kernel):
     """One sequence alone and packed among others (same rows, seqs, width): same bytes."""
     chunk_attention = KERNELS[kernel]
     x = (3000, 300)
-    rows, width = 1024, 256
-    alone = _gpu_item(1, [x, (0, 0), (0, 0)], rows, width)
-    packed = list(_gpu_item(2, [(500, 100), (2000, 77), x], rows, width))
+    page = PAGES.get(kernel, PAGE)
+    rows, width = 1024, 4096 // page
+    alone = _gpu_item(1, [x, (0, 0), (0, 0)], rows, width, page)
+    packed = list(_gpu_item(2, [(500, 100), (2000, 77), x], rows, width, page))
     kv1, q1, pos1, _, pt1 = alone
     kv, q, pos, cu, pt = packed
     base = kv.shape[0]

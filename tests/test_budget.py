@@ -54,7 +54,9 @@ def test_size_budget():
     # (bind_slot, 2026-12-02): no address in the HLO, so a restarted stage hits the cache.
     # +320 (2026-12-03, roadmap K14): csrc/dense.cu, a dense layer's small bf16 calls (q/k norms,
     # RoPE, the KV write, add + norm) as kernels of our own, one device code apart and fused.
-    assert _lines("csrc/*") < 2160
+    # +30 (2026-12-04, roadmap K16): kj_fa3 reads pages of 128 in place (the page table handed
+    # to FlashAttention-3, padding rows zeroed apart), beside the gather for pages of 16.
+    assert _lines("csrc/*") < 2190
 
 
 def test_kernjax_holds_no_model_knowledge():

@@ -36,7 +36,7 @@ def setup(request, tmp_path_factory):
     program = FAM.program(CFG, dtype=CFG.dtype, rows=chunk, context=CONTEXT)
     ref = {"model": CFG.name, "seed": 0, "dtype": CFG.dtype}
     meta = dict(model=model_meta(FAM, CFG), checkpoint=ref, dtype=CFG.dtype,
-                item=item_shape(program, FAM.PAGE))
+                item=item_shape(program, FAM.page(CFG)))
     out = tmp_path_factory.mktemp(f"chain{chunk}")
     ckpt, cache = checkpoint_dir(ref), {}
 
@@ -67,7 +67,7 @@ def test_the_program_publishes_its_token_to_the_host(setup):
     for r in (whole_pipe.runners[-1], pipeline(cut(program, [26]), "token").runners[-1]):
         arrivals = [np.zeros(s.shape, ckpts.np_dtype(s.dtype)) for s in r.art.arrivals]
         toks = np.arange(5, 5 + chunk, dtype=np.int32) % CFG.vocab
-        item = make_item([Piece(toks, 0, tuple(range(1, chunk // FAM.PAGE + 1)))], r.art.item)
+        item = make_item([Piece(toks, 0, tuple(range(1, chunk // FAM.page(CFG) + 1)))], r.art.item)
         for _ in range(2):
             _, outs = r.run(item, arrivals)
             tok = outs["next_token"]

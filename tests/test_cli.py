@@ -346,7 +346,7 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
     program = fam.program(cfg, dtype="float32", rows=16, context=64)
     stages = (*cut(program, [20]), whole(program))
     meta = dict(model=cli.model_meta(fam, cfg), checkpoint={"model": MODEL, "seed": 0,
-                "dtype": "float32"}, dtype="float32", item=item_shape(program, fam.PAGE))
+                "dtype": "float32"}, dtype="float32", item=item_shape(program, fam.page(cfg)))
     real = artifacts.write
 
     def fails_on_stage1(path, st, **kw):

@@ -37,7 +37,7 @@ def built(tmp_path_factory):
     program = FAM.program(CFG, dtype=CFG.dtype, rows=CHUNK, context=CONTEXT)
     ref = {"model": CFG.name, "seed": 0, "dtype": CFG.dtype}
     meta = dict(model=model_meta(FAM, CFG), checkpoint=ref, dtype=CFG.dtype,
-                item=item_shape(program, FAM.PAGE))
+                item=item_shape(program, FAM.page(CFG)))
     out = tmp_path_factory.mktemp("edge")
     ckpt, cache = checkpoint_dir(ref), {}
 
@@ -50,9 +50,9 @@ def built(tmp_path_factory):
 
 
 def items(n_tokens: int, seed: int) -> list[dict]:
-    shape = item_shape(FAM.program(CFG, dtype=CFG.dtype, rows=CHUNK, context=CONTEXT), FAM.PAGE)
+    shape = item_shape(FAM.program(CFG, dtype=CFG.dtype, rows=CHUNK, context=CONTEXT), FAM.page(CFG))
     toks = np.random.default_rng(seed).integers(0, CFG.vocab, n_tokens).astype(np.int32)
-    pages = tuple(range(1, -(-n_tokens // FAM.PAGE) + 1))
+    pages = tuple(range(1, -(-n_tokens // FAM.page(CFG)) + 1))
     return [make_item([Piece(toks[a:b], a, pages)], shape) for a, b in chunks(n_tokens, CHUNK)]
 
 
@@ -214,7 +214,7 @@ def test_a_stage_whose_edged_program_fails_to_export_still_serves_and_says_so(bu
     s0, _ = cut(program, [14])
     meta = dict(model=model_meta(FAM, CFG), checkpoint={"model": CFG.name, "seed": 0,
                                                         "dtype": CFG.dtype},
-                dtype=CFG.dtype, item=item_shape(program, FAM.PAGE))
+                dtype=CFG.dtype, item=item_shape(program, FAM.page(CFG)))
     art = artifacts.read(artifacts.write(tmp_path / "s0", s0, **meta))
     assert "could not be exported (RuntimeError: no custom calls here)" in capsys.readouterr().err
     assert art.edged is None and "edged" not in art.manifest

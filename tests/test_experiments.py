@@ -627,7 +627,7 @@ def test_attention_anchors_run_only_where_they_compute_the_same_function():
     assert "jax-cudnn: skipped (top-left causal: not the chunk's function)" in r.stdout, r.stdout
     r = run("--kernel", "hopper,cudnn", "--small")
     assert r.returncode == 2 and "--kernel cudnn: not a kernel; known: hopper" in r.stderr, r.stderr
-    for kernel in ("torch-cudnn", "fa3", "fa3-paged"):
+    for kernel in ("torch-cudnn", "fa3", "fa3-paged", "fa3-page128"):
         r = run("--kernel", kernel, "--small", "--interpret")
         assert r.returncode == 2 and "run on a GPU only" in r.stderr, r.stderr
 

@@ -63,7 +63,7 @@ def pipeline(ckpt, tmp_path_factory):
             program = fam.program(cfg, dtype=DTYPE, rows=rows, context=CONTEXT)
             path = artifacts.write(tmp_path_factory.mktemp(f"whole{rows}"), whole(program),
                                    model=model_meta(fam, cfg), checkpoint={"dir": str(ckpt)},
-                                   dtype=DTYPE, item=item_shape(program, fam.PAGE))
+                                   dtype=DTYPE, item=item_shape(program, fam.page(cfg)))
             art = artifacts.read(path)
             pipes[rows] = Pipeline([Runner(art, load_weights(art, ckpt))])
         return pipes[rows]

@@ -1,5 +1,6 @@
 // The one FlashAttention-3 instantiation kernjax runs (csrc/fa3.h): forward, sm90, bf16, head_dim
-// 128, causal, varlen queries and keys (contiguous, read with TMA), no split of the keys (a row's
+// 128, causal, varlen queries, keys contiguous or in pages of 128 rows (both read with TMA: the
+// page table is a runtime argument of the same kernel), no split of the keys (a row's
 // bits do not depend on the item), one query head per tile, and the persistent scheduler's
 // metadata prepared on the device. Compiled only by scripts/fa3, against a flash-attention
 // checkout; never by setup.py. FlashAttention's own checks end the process (exit(1)) on a CUDA
@@ -32,8 +33,17 @@ extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen(const KjFa3A
   p.o_head_stride = D;
   p.softmax_lse_ptr = a->lse;
   p.cu_seqlens_q = const_cast<int*>(a->cu_seqlens);
-  p.cu_seqlens_k = const_cast<int*>(a->cu_keys);
   p.seqused_k = const_cast<int*>(a->seqused_k);
+  if (a->page_table) {  // in place: shape_K [page, D, kv_heads, num_pages], pages by the table
+    p.page_table = const_cast<int*>(a->page_table);
+    p.page_table_batch_stride = a->width;
+    p.page_size = a->page;
+    p.num_pages = a->num_pages;
+    p.k_batch_stride = p.v_batch_stride = int64_t(a->page) * 2 * a->kv_heads * D;
+  } else {
+    p.cu_seqlens_k = const_cast<int*>(a->cu_keys);
+    p.page_size = 1;
+  }
   p.b = p.b_k = a->seqs;
   p.h = a->heads;
   p.h_k = a->kv_heads;
@@ -49,7 +59,6 @@ extern "C" __attribute__((visibility("default"))) int kj_fa3_varlen(const KjFa3A
   p.is_causal = true;
   p.window_size_left = p.seqlen_k - 1;
   p.window_size_right = 0;
-  p.page_size = 1;
   p.num_splits = 1;
   p.pack_gqa = false;
   p.arch = 90;
