@@ -55,11 +55,12 @@ def inputs(rows: int, cfg, seed: int = 0):
     qkv = (4 * jax.random.normal(k[0], (rows, (H + 2 * KV) * D))).astype(jnp.bfloat16)
     wq, wk = ((1 + 0.1 * jax.random.normal(kk, (D,))).astype(jnp.bfloat16) for kk in k[1:3])
     positions = jnp.arange(rows, dtype=jnp.int32) + 7
-    pages = -(-max(rows, 512) // 16) + 1
-    kv = jax.random.normal(k[3], (pages, 16, 2, KV, D)).astype(jnp.bfloat16)
+    page = qwen3.page(cfg)  # the program's (layer0), as the state it writes
+    pages = -(-max(rows, 512) // page) + 1
+    kv = jax.random.normal(k[3], (pages, page, 2, KV, D)).astype(jnp.bfloat16)
     slots = jnp.arange(rows, dtype=jnp.int32) + 16
     if rows >= 4:  # the pool's last row (a negative slot counts from the end), and one dropped
-        slots = slots.at[-2:].set(jnp.array([-1, pages * 16 + 5], jnp.int32))
+        slots = slots.at[-2:].set(jnp.array([-1, pages * page + 5], jnp.int32))
     return qkv, wq, wk, positions, kv, slots
 
 
