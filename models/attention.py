@@ -68,6 +68,8 @@ def item_rows(positions, cu_seqlens, page_table, *, page: int, block: int, own_a
     each row's sequence (`own`, clamped for padding rows and indexed with `own_at` to broadcast
     against the caller's score layout), which rows are real (`valid`) and how many key blocks the
     item's longest row reaches (`needed`)."""
+    if block % page:
+        raise ValueError(f"key blocks of {block} rows must hold whole pages of {page} rows")
     seqs, width = page_table.shape
     per = block // page
     nb = -(-width // per)

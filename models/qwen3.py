@@ -17,7 +17,8 @@ K6, seventh session); gate_proj and up_proj stay two weights: fused they measure
 One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequences, split by
 `cu_seqlens`; rows past `cu_seqlens[-1]` are padding. Each layer has its own paged KV state
 `kv.i` of `[pages, page, 2, kv_heads, head_dim]` (`page(cfg)` rows a page: 128 at head_dim 128,
-else 16); `kv_write` stores the chunk's keys and values at `slots` (`page * rows + offset`; an out-of-range slot drops a padding row), and `attn` reads every
+else 16); `kv_write` stores the chunk's keys and values at `slots` (page id · rows a page +
+offset; an out-of-range slot drops a padding row), and `attn` reads every
 earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
 blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU; on CUDA GPUs
 FlashAttention-3 for bf16, a Pallas Triton kernel for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the

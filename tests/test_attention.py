@@ -129,8 +129,8 @@ def test_the_cuda_route_is_chosen_by_dtype_and_shape():
     Mosaic GPU kernel; float32 the Triton one. The program says so, whatever device traced it."""
     from jax import export
 
-    def lowered(dtype, d):
-        kv = jax.ShapeDtypeStruct((9, 16, 2, 2, d), dtype)
+    def lowered(dtype, d, page=16):
+        kv = jax.ShapeDtypeStruct((9, page, 2, 2, d), dtype)
         q = jax.ShapeDtypeStruct((32, 8, d), dtype)
         i32 = [jax.ShapeDtypeStruct(s, jnp.int32) for s in ((32,), (3,), (2, 4))]
         f = jax.jit(lambda *a: attention.chunk_attention(*a, scale=d ** -0.5))
@@ -142,6 +142,29 @@ def test_the_cuda_route_is_chosen_by_dtype_and_shape():
     assert "kj_fa3" in export.export(f, platforms=["cuda"], disabled_checks=ok)(*args).mlir_module()
     for dtype, d in ((jnp.float16, 128), (jnp.bfloat16, 64)):
         assert "kj_fa3" not in lowered(dtype, d)[0]
+    # pages of 128 (head_dim 128's): FlashAttention-3 reads them in place; the Mosaic GPU kernel
+    # takes pages of 16 only, so f16 on pages of 128 goes to the Triton kernel
+    assert "kj_fa3" in lowered(jnp.bfloat16, 128, page=128)[0]
+    f16 = lowered(jnp.float16, 128, page=128)[0]
+    assert "kj_fa3" not in f16 and "mosaic" not in f16
+
+
+def test_a_page_is_128_rows_at_head_dim_128_and_16_elsewhere():
+    """The page is a model constant (`page(cfg)`), so the state's shape and the cut id are the
+    same on every platform; blockwise takes any page that whole key blocks hold."""
+    fam, tiny = models.named("qwen3-tiny")
+    _, big = models.named("qwen3-4b")
+    assert (fam.page(tiny), fam.page(big)) == (16, 128)
+    small = dataclasses.replace(big, layers=1, intermediate=256, vocab=512)
+    program = fam.program(small, dtype="bfloat16", rows=64, context=300)
+    kv = next(s for s in program.inputs if s.name == "kv.0")
+    table = next(s for s in program.inputs if s.name == "page_table")
+    assert kv.shape[1] == 128 and table.shape == (1, 3)  # 300 keys: 3 pages of 128
+    assert item_shape(program, fam.page(small)).page == 128
+    args = paged(np.random.default_rng(0), [40], [40], kvh=2, heads=4, d=16, width=1,
+                 dtype="float32", rows=48, seqs=1, page=128)
+    with pytest.raises(ValueError, match="key blocks of 64 rows must hold whole pages of 128"):
+        attention.blockwise(*args, scale=0.25, block=64)
 
 
 def test_a_flashattention_library_that_does_not_load_is_named_not_fatal(tmp_path):
