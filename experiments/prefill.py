@@ -1371,6 +1371,9 @@ def parse_args(argv=None):
     if a.shared_context and a.shared_context < max(a.prompts):
         ap.error(f"--shared_context {a.shared_context} is shorter than the longest prompt "
                  f"{max(a.prompts)}: give at least that, or 0 for the longest prompt")
+    if a.page not in (0, 16, 128):
+        ap.error(f"--page {a.page}: FlashAttention-3 (kj_fa3) takes pages of 16 (gathered) or "
+                 "128 (read in place); give one of those, or 0 for the model's")
     if a.plain_attention == "xla":
         a.plain_attention = None
     at = a.at

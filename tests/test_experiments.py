@@ -111,6 +111,16 @@ def test_issue_6s_goals_are_read_off_one_runs_rows():
     }, got
 
 
+def test_prefill_benchmark_refuses_a_page_kernjax_does_not_run():
+    """`--page` (the A/B of pages gathered against pages read in place) takes 16, 128 or 0 (the
+    model's), and says so for anything else before it builds a program."""
+    r = subprocess.run([sys.executable, str(REPO / "experiments" / "prefill.py"), "--page", "64"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 2 and "--page 64: FlashAttention-3 (kj_fa3) takes pages of 16" in \
+        r.stderr, r.stderr
+
+
 def test_prefill_benchmark_without_publishing_the_token(tmp_path):
     """--publish 0, the A/B's other side: the token through PjRt, the same token."""
     out = tmp_path / "prefill"
