@@ -291,8 +291,8 @@ whole/ into DIR, replacing a previous cut there."""
         auto = FLAGS.at.strip() == "auto"
         stages = auto_cut(program, cfg.name) if auto else \
             cut(program, parse_at(FLAGS.at, program.calls))
-        print(f"{cfg.name}, {dtype}, chunk {FLAGS.chunk}: {len(program.calls)} calls, traced in "
-              f"{time.time() - t0:.1f} s")
+        print(f"{cfg.name}, {dtype}, chunk {FLAGS.chunk}: {len(program.calls)} calls, KV in pages "
+              f"of {fam.page(cfg)} rows, traced in {time.time() - t0:.1f} s")
         print(describe(program, stages))
         meta = dict(model=model_meta(fam, cfg), checkpoint=ref, dtype=dtype,
                     item=item_shape(program, fam.page(cfg)))
