@@ -666,7 +666,7 @@ class Results:
             "compile_options": {f"rows >= {xla.GRAPHS_BELOW_ROWS}":
                                 xla.compile_options(xla.GRAPHS_BELOW_ROWS)},
             "publish": PUBLISH,
-            "page": args.page or models.family("qwen3").page(cfg),
+            "page": args.page or models.named(cfg.name)[0].page(cfg),
             "mem_fraction": os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION"),
             "flops": dict(zip(("a", "b", "c"), flop_terms(cfg))), "peak_flops": args.peak,
             "cut_at": args.at_of(cfg), "exact_context": args.exact_context,
