@@ -1,4 +1,4 @@
-// A dense layer's small bf16 calls as kernels of kernjax's own (models/dense_cuda.py, roadmap K14):
+// A dense layer's small bf16 calls as kernels of kernjax's own (kernjax/kernels/dense_cuda.py, roadmap K14):
 //   kj_qk_rope   q_norm, k_norm, rope and kv_write as one: qkv's q heads normed and roped into q,
 //                its k heads normed and roped and its v heads into the paged KV state at `slots`
 //   kj_head_norm q_norm or k_norm alone (a cut after it): heads of qkv's columns from `col`, normed

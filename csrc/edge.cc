@@ -39,7 +39,7 @@ Edge* FindEdge(int64_t edge, std::string* error) {
   Edge* e = &g_edges[edge];
   if (!e->bound) {
     *error = "edge " + std::to_string(edge) +
-             " is not bound in this process (kernjax.edge binds a stage's edges before it runs)";
+             " is not bound in this process (kernjax.runtime.edge binds a stage's edges before it runs)";
     return nullptr;
   }
   return e;

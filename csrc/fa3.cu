@@ -5,7 +5,7 @@
 //      zeroed, and zeroes the item's padding rows past cu_seqlens[seqs] in the output
 //      (FlashAttention does not write them); pages of 128: Fa3Padding zeroes those rows only;
 //   3. the library's forward over the keys (TMA): contiguous, or the pages of 128 in place.
-// The library is loaded by Fa3Load (kernjax/ffi.py); a program run without it fails with a
+// The library is loaded by Fa3Load (kernjax/kernels/ffi.py); a program run without it fails with a
 // message that says why it is missing and how to build it.
 
 #include <dlfcn.h>
@@ -26,7 +26,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 KjFa3Fn g_fa3 = nullptr;
-std::string g_fa3_error = "kernjax.ffi has not tried to load it";
+std::string g_fa3_error = "kernjax.kernels.ffi has not tried to load it";
 std::mutex g_fa3_mu;
 
 constexpr int kPage = 16;       // pages gathered into contiguous keys

@@ -1,7 +1,7 @@
 // kernjax's bf16 attention on CUDA GPUs (head_dim 128) runs FlashAttention-3's forward, a public
 // library this repository does not hold: scripts/fa3 builds csrc/fa3/glue.cu against a
 // flash-attention checkout into build/fa3/libkj_fa3.so, and csrc/fa3.cu's handler calls it
-// through this one entry point, loaded with dlopen (kernjax/ffi.py says where from).
+// through this one entry point, loaded with dlopen (kernjax/kernels/ffi.py says where from).
 //
 // Pages of 128 rows (a whole key block) FlashAttention reads in place with TMA, through the page
 // table. Pages of 16 rows it could only gather row by row, ~20 % slower on an H200; for those the

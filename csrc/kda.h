@@ -1,5 +1,5 @@
 // kj_kda: the KDA gated delta rule, chunked (WY/UT form, chunk 16), varlen over
-// cu_seqlens, one state per sequence; models/kda.py: chunked is the reference
+// cu_seqlens, one state per sequence; kernjax/kernels/kda.py: chunked is the reference
 // and documents the math. One *block* per (sequence, head) walks the
 // sequence's chunks in order; its `lanes` (= K = V) threads own the columns of
 // the K x V state. No atomics, no split of a sequence: results repeat bit for

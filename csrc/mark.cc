@@ -1,12 +1,12 @@
 // kj_mark, CPU: an identity op on one buffer that also publishes a per-step
 // sequence number, and values with it, into a host slot.
 //
-// The Python wrapper (kernjax/ffi.py: mark) aliases the output to the input, so normally no
+// The Python wrapper (kernjax/kernels/ffi.py: mark) aliases the output to the input, so normally no
 // bytes move; when XLA hands us distinct buffers we copy. `seq` is an operand (int32 [1 + n]:
 // the number, then n values, e.g. a run's tokens) because it changes every step; the slot (an
 // address, or an id bound by bind_slot, kj.h) and `ring` are attributes, fixed for the
 // program's life. With ring > 1 the slot is entry seq[0] mod ring of a ring of them, each
-// MarkStride(1 + n) bytes (kernjax/tokens.py).
+// MarkStride(1 + n) bytes (kernjax/runtime/tokens.py).
 
 #include <cstddef>
 #include <cstdint>

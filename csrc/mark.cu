@@ -3,7 +3,7 @@
 // stream order.
 //
 // Everything is enqueued on XLA's stream; nothing here synchronizes. When the output aliases
-// the input (the normal case, kernjax/ffi.py: mark) no bytes move; otherwise a device-to-device
+// the input (the normal case, kernjax/kernels/ffi.py: mark) no bytes move; otherwise a device-to-device
 // cudaMemcpyAsync copies them. If a slot is given, a kernel fences (__threadfence_system) and
 // writes seq into it, the values first, so a host thread that polls the slot and sees seq[0]
 // knows that all work enqueued before this op on the stream has completed.

@@ -1,7 +1,7 @@
 // pybind11 module kernjax._ffi: hands XLA FFI handler symbols to Python.
 //
 // registrations() returns {"cpu": {name: capsule}, "cuda": {name: capsule}};
-// kernjax/ffi.py registers each capsule with jax.ffi.register_ffi_target. The
+// kernjax/kernels/ffi.py registers each capsule with jax.ffi.register_ffi_target. The
 // "cuda" dict is empty unless the extension was built with nvcc (setup.py then
 // defines KERNJAX_CUDA). KERNJAX_JAX_VERSION is the jax version the extension
 // was built against; the FFI ABI is only promised for that version.
@@ -218,7 +218,7 @@ constexpr bool kHasCuda =
 }  // namespace
 
 PYBIND11_MODULE(_ffi, m) {
-  m.doc() = "kernjax XLA FFI handlers (see kernjax/ffi.py)";
+  m.doc() = "kernjax XLA FFI handlers (see kernjax/kernels/ffi.py)";
 
   m.def(
       "registrations",
@@ -240,8 +240,10 @@ PYBIND11_MODULE(_ffi, m) {
         cuda["kj_recv"] = Encapsulate(KjRecvCuda);
         cuda["kj_push"] = Encapsulate(KjPushCuda);
         cuda["kj_post"] = Encapsulate(KjPostCuda);
-        const char* g = std::getenv("KERNJAX_FA3_GRAPHS");  // "0": outside XLA's CUDA graphs
-        cuda["kj_fa3"] = Encapsulate(g && !std::strcmp(g, "0") ? KjFa3Cuda : KjFa3CudaGraph);
+        // the same code twice: one XLA may capture into its CUDA graphs, one it keeps outside
+        // them (the lowering table's fa3_graphs picks the target a program calls)
+        cuda["kj_fa3"] = Encapsulate(KjFa3CudaGraph);
+        cuda["kj_fa3_ungraphed"] = Encapsulate(KjFa3Cuda);
         cuda["kj_qk_rope"] = Encapsulate(KjQkRopeCuda);
         cuda["kj_head_norm"] = Encapsulate(KjHeadNormCuda);
         cuda["kj_rope"] = Encapsulate(KjRopeCuda);

@@ -1,6 +1,6 @@
 // kj_mxfp4_shuffle, CPU: MXFP4 experts from the checkpoint layout into the
 // GEMM layout (index math in mxfp4_shuffle.h). Pure byte gathers, so the
-// result is bitwise the JAX reference (models/mxfp4.py: shuffle).
+// result is bitwise the JAX reference (kernjax/kernels/mxfp4.py: shuffle).
 //
 // Operands: packed u8[..., M, K/2], scales u8[..., M, K/32]; leading dims are
 // a batch (experts). Results: packed u8[..., M, K/2] (rows shuffled) and

@@ -1,6 +1,6 @@
 // The MXFP4 GEMM shuffle's index math, shared by the CPU and CUDA handlers
 // (kj_mxfp4_shuffle; the JAX reference and the layout's description are
-// models/mxfp4.py: shuffle, after FlashInfer / TRT-LLM-gen's layout).
+// kernjax/kernels/mxfp4.py: shuffle, after FlashInfer / TRT-LLM-gen's layout).
 //
 // Per matrix of M rows: packed [M, K/2] bytes and scales [M, K/32] E8M0 bytes.
 //   rows: shuffled row r holds logical row Row(r): within each 32-row block,

@@ -35,7 +35,7 @@ std::mutex g_nccl_mu;
 constexpr int kUint8 = 1;
 
 void Need() {
-  if (!g_nccl.lib) throw std::runtime_error("NCCL is not loaded (kernjax.edge loads it)");
+  if (!g_nccl.lib) throw std::runtime_error("NCCL is not loaded (kernjax.runtime.edge loads it)");
 }
 
 void Check(const char* what, int r) {

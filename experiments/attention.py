@@ -1,8 +1,8 @@
 """Times the chunked-prefill attention kernels on a GPU: FlashAttention-3 through `kj_fa3`
-(`models/attention_fa3.py`, the route for bf16 with head_dim 128: `fa3-page128` on pages of 128
+(`kernjax/kernels/attention_fa3.py`, the route for bf16 with head_dim 128: `fa3-page128` on pages of 128
 rows read in place, as qwen3-4b's are; `fa3-paged` on pages of 16, gathered first), the Mosaic GPU
-kernel (`models/attention_hopper.py`, f16 and head_dim 64) and the Pallas Triton one
-(`models/attention_pallas.py`, the route for float32).
+kernel (`kernjax/kernels/attention_hopper.py`, f16 and head_dim 64) and the Pallas Triton one
+(`kernjax/kernels/attention_pallas.py`, the route for float32).
 
 One sequence per item: a chunk of C query rows at positions K-C .. K-1, so it attends over K keys
 (H=32, KV=8, D=128, bf16, shuffled pages). FLOPs are 4 * H * D per causal (query, key) pair,
@@ -24,7 +24,7 @@ top-left aligned and so right only for the square case (its chunk cases are skip
 read no page table; they say what a vendor kernel reaches on this GPU at the same moment.
 `--kernel fa3` adds FlashAttention-3's forward (causal, dense, one sequence; bottom-right aligned
 like the chunk), built by `scripts/fa3` with kernjax's own route and found where `kj_fa3` finds
-it (`kernjax.ffi.fa3_path()`).
+it (`kernjax.kernels.ffi.fa3_path()`).
 
     python experiments/attention.py                      # each kernel's default config
     python experiments/attention.py --sweep --out attention.json
@@ -49,7 +49,9 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from kernjax.models import attention_fa3, attention_hopper, attention_pallas
+from kernjax.kernels import attention_fa3
+from kernjax.kernels import attention_hopper
+from kernjax.kernels import attention_pallas
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import clocks  # noqa: E402  (experiments/clocks.py: nvidia-smi's samples)
@@ -114,7 +116,7 @@ def anchor_fn(kernel, scale, c, k):
     fa3 = kernel == "fa3"
     if fa3:  # q [C, H, D], k and v [K, KV, D], o like q: FlashAttention's own layout
         import ctypes
-        from kernjax import ffi
+        from kernjax.kernels import ffi
         lib = ctypes.CDLL(str(ffi.fa3_path()))  # scripts/fa3's library, as kj_fa3 finds it
         semaphore = torch.zeros(1, dtype=torch.int32, device="cuda")
         sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -24,10 +24,10 @@ from jax import export
 import numpy as np
 
 from kernjax import models
-from kernjax.cut import whole
-from kernjax.item import Piece, item_shape, make_item
-from kernjax.stage import export_stage
-from kernjax.trace import as_function, trace
+from kernjax.core.cut import whole
+from kernjax.core.item import Piece, item_shape, make_item
+from kernjax.artifact import export_stage
+from kernjax.core.trace import as_function, trace
 
 
 def _time(fn, args, states_at, iters):

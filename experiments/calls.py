@@ -1,12 +1,12 @@
 """Where a prefill chunk's time goes, call by call: each call of one program run alone, lowered as
-the platform lowers it in a stage (`kernjax.trace.as_function`), on random inputs of its shapes.
+the platform lowers it in a stage (`kernjax.core.trace.as_function`), on random inputs of its shapes.
 
 A call of a later layer with the same name and the same operand shapes as one already timed (every
 layer of a dense model, the layers of one kind in a hybrid) takes that time unless `--all`.
 The attention call reads the KV state: its positions are set so the chunk sits at the end of
 `--context` tokens (one sequence), so it does the work of the last chunk of such a prompt.
 Prints a table (ms per call, share of the sum) and, with `--out`, writes JSON with every call's
-time (`measured` false where it was taken from its twin): the profile `kernjax.cut --at auto
+time (`measured` false where it was taken from its twin): the profile `kernjax cut --at auto
 --profile` reads.
 
     python experiments/calls.py --model qwen3-4b --rows 512 --context 8192 --out calls.json
@@ -27,8 +27,8 @@ import numpy as np
 from jax import export
 
 from kernjax import models
-from kernjax.item import Piece, item_shape, make_item
-from kernjax.trace import as_function, states_of
+from kernjax.core.item import Piece, item_shape, make_item
+from kernjax.core.trace import as_function, states_of
 
 
 def main():

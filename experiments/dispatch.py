@@ -12,7 +12,7 @@ This times the same shapes of call on one GPU with a program of `--layers` GEMMs
   (`put`), device arrays made before the loop, one per item (`dev`), or one device array for
   every item (`same`: the operands keep their addresses from run to run);
 - `call`: `jax.jit(f)` or its `.lower().compile()` object, as the stages hold it;
-- `effect`: the program carries `kernjax.ffi.mark` (a side effect; no slot, so it writes nothing);
+- `effect`: the program carries `kernjax.kernels.ffi.mark` (a side effect; no slot, so it writes nothing);
 - `--every_layer`: every layer reads the per-item operand (as every layer of a model reads the
   item's positions and pages), not the first alone;
 - `--xla_modes`: each mode runs in a process of its own, its XLA flags set before the client
@@ -53,7 +53,7 @@ def rows_in_this_process(a) -> list[dict]:
     import jax.numpy as jnp
     import numpy as np
 
-    from kernjax import ffi
+    from kernjax.kernels import ffi
 
     def program(effect: bool):
         def f(state, w, x, pos, k):

@@ -1,4 +1,4 @@
-"""Roadmap K13: gate/up with silu·mul in the GEMM's epilogue (`models/mlp_hopper.py`), against
+"""Roadmap K13: gate/up with silu·mul in the GEMM's epilogue (`kernjax/kernels/mlp_hopper.py`), against
 the model's two calls as XLA runs them and against the same GEMM and epilogue run apart.
 
 qwen3-4b's MLP input at `--rows` rows: x [rows, 2560] bf16, gate and up weights [9728, 2560]

@@ -187,7 +187,7 @@ say() { tee -a "$OUT/gate.log"; }
 pack() { tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$OUT/logs"; }
 trap pack EXIT
 # XLA's CUDA-graph modes by name (`issue`, and `serve2`'s $SERVE_MODES): as kernjax leaves them
-# (serving: skip_temp, kernjax/xla.py; else XLA's own), XLA's own (every moved node updated), off,
+# (serving: skip_temp, kernjax/runtime/xla.py; else XLA's own), XLA's own (every moved node updated), off,
 # updated only where addresses moved over profiled runs, temporaries at fixed addresses
 graph_mode() {
   case $1 in
@@ -213,12 +213,12 @@ if [ -z "${SKIP_BUILD:-}" ]; then  # SKIP_BUILD=1: a second run in the same call
   python -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/logs/build.log" 2>&1 \
     || { tail -20 "$OUT/logs/build.log"; exit 1; }
 fi
-python -c 'import kernjax.ffi as f; f.register(); print("extension cuda:", f.has_cuda(),
+python -c 'import kernjax.kernels.ffi as f; f.register(); print("extension cuda:", f.has_cuda(),
   "| FlashAttention-3:", f._extension().fa3_loaded() and f.fa3_path())' 2>&1 | say
 # bf16 attention runs FlashAttention-3 (scripts/fa3 builds it here; no network there): carry it
 # with `run`'s carry=["build/fa3/libkj_fa3.so"]. Without it every bf16 qwen3 program fails, so
 # the call stops here rather than spend its minutes on failures (NO_FA3=1 goes on regardless).
-if [ -z "${NO_FA3:-}" ] && ! python -c 'import kernjax.ffi as f; f.register(); assert f._extension().fa3_loaded()' 2>/dev/null; then
+if [ -z "${NO_FA3:-}" ] && ! python -c 'import kernjax.kernels.ffi as f; f.register(); assert f._extension().fa3_loaded()' 2>/dev/null; then
   echo "FlashAttention-3 is not loaded: build it with scripts/fa3 and carry build/fa3/libkj_fa3.so" | say
   exit 1
 fi
@@ -266,7 +266,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
   variant)
     # experimental, in a call of its own: a kernel that deadlocks must not take the gates along
     v=${VARIANT:-hopper-mbarrier}
-    log "experiment: the Hopper kernel's variant $v (models/attention_hopper.py)"
+    log "experiment: the Hopper kernel's variant $v (kernjax/kernels/attention_hopper.py)"
     # timings first: they say in a minute whether the correctness run is worth its four
     runs=("hopper,$v")
     [ -n "${VARIANT_CONFIG-64,64,3}" ] && runs+=("$v --config ${VARIANT_CONFIG-64,64,3}")
@@ -347,11 +347,11 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       for at in ${ATS:-18 c221 c226 c227 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
-        python -m kernjax.cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
+        kernjax cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
-        python -m kernjax.chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \
-          > "$OUT/logs/chain-$at-$c.log" 2>&1 || echo "kernjax.chain exited $?" >> "$OUT/logs/chain-$at-$c.log"
+        kernjax chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \
+          > "$OUT/logs/chain-$at-$c.log" 2>&1 || echo "kernjax chain exited $?" >> "$OUT/logs/chain-$at-$c.log"
         grep -vE "^loading weights" "$OUT/logs/chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/$at-$c"
       done
@@ -362,13 +362,13 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       for at in 4 2,6; do
         log "chain k3-mini-gpu --at $at --chunk $c"
         rm -rf "cuts/k3-$at-$c"
-        python -m kernjax.cut --model k3-mini-gpu --at "$at" --chunk "$c" --seqs 1 \
+        kernjax cut --model k3-mini-gpu --at "$at" --chunk "$c" --seqs 1 \
           --out "cuts/k3-$at-$c" > "$OUT/logs/k3cut-$at-$c.txt" 2>&1 \
           || { tail -5 "$OUT/logs/k3cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/k3cut-$at-$c.txt" | say
-        python -m kernjax.chain --stages "cuts/k3-$at-$c" --prompts "$OUT/logs/k3prompts$c.txt" \
+        kernjax chain --stages "cuts/k3-$at-$c" --prompts "$OUT/logs/k3prompts$c.txt" \
           --chunk "$c" > "$OUT/logs/k3chain-$at-$c.log" 2>&1 \
-          || echo "kernjax.chain exited $?" >> "$OUT/logs/k3chain-$at-$c.log"
+          || echo "kernjax chain exited $?" >> "$OUT/logs/k3chain-$at-$c.log"
         grep -vE "^loading weights" "$OUT/logs/k3chain-$at-$c.log" | tail -8 | say
         rm -rf "cuts/k3-$at-$c"
       done
@@ -529,7 +529,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       timeout "${CALLS_SECONDS:-300}" python experiments/calls.py --model qwen3-4b --rows "$r" --context 8192 \
         --out "$OUT/logs/calls-$r.json" > "$OUT/logs/calls-$r.log" 2>&1
       tail -22 "$OUT/logs/calls-$r.log" | say
-      python -m kernjax.cut --model qwen3-4b --chunk "$r" --context 8192 --seqs 1 --at auto \
+      kernjax cut --model qwen3-4b --chunk "$r" --context 8192 --seqs 1 --at auto \
         --profile "$OUT/logs/calls-$r.json" --out "cuts/auto-$r" 2>&1 | grep -E "auto:|error" | say
       python -c 'import json, sys; c = json.load(open(sys.argv[1]))["calls"]; a = sum(x["ms"] for x in c[:218]); b = sum(x["ms"] for x in c[218:]); print(f"--at 18 by the same profile: {a:.3f}, {b:.3f} ms, the longest {2 * max(a, b) / (a + b):.3f} of even")' "$OUT/logs/calls-$r.json" | say
       rm -rf "cuts/auto-$r"

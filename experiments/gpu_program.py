@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import kernjax  # noqa: E402, F401  (XLA's flags before jax starts)
 from kernjax import models  # noqa: E402
 from kernjax.cli import parse_at  # noqa: E402
-from kernjax.cut import cut, whole  # noqa: E402
-from kernjax.stage import export_stage  # noqa: E402
+from kernjax.core.cut import cut, whole  # noqa: E402
+from kernjax.artifact import export_stage  # noqa: E402
 from models.attention_hopper import abstract_h200  # noqa: E402
 
 
@@ -79,7 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="qwen3-4b")
     ap.add_argument("--rows", type=int, default=512)
     ap.add_argument("--context", type=int, default=0, help="default: max(rows, 512)")
-    ap.add_argument("--at", default=None, help="a cut, as kernjax.cut's --at (18, c226, 12,24)")
+    ap.add_argument("--at", default=None, help="a cut, as kernjax cut's --at (18, c226, 12,24)")
     ap.add_argument("--cores", type=int, default=132, help="the abstract H200's SMs")
     a = ap.parse_args(argv)
     for name, st in programs(a.model, a.rows, a.at, a.context or max(a.rows, 512)):

@@ -11,7 +11,7 @@ Runs under a Python with torch and transformers, which kernjax itself does not n
 venv keeps them apart. To regenerate `tests/goldens/qwen3_tiny_f32_hf.npz`:
 
   # 1. In the kernjax venv (from the repository root):
-  python -m kernjax.weights random --model qwen3-tiny --seed 0 --dtype float32 --out CKPT_DIR
+  kernjax weights random --model qwen3-tiny --seed 0 --dtype float32 --out CKPT_DIR
   # 2. In a venv with torch and transformers (made with Python 3.11):
   python -m venv torchvenv
   torchvenv/bin/pip install torch==2.13.0 transformers safetensors numpy

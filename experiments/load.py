@@ -8,7 +8,7 @@ flight. With one output token, a request's latency is its client-side time to fi
 
 Prints and saves (`results.md`, `results.json`) a table of requests/s, prompt tokens/s and TTFT
 p50/p99 per configuration and level, checks every answer is 200 and that both configurations give
-the same token for each prompt, and runs `python -m kernjax.timeline` on the 2-stage logs
+the same token for each prompt, and runs `kernjax timeline` on the 2-stage logs
 (`timeline.txt`/`.png` over the whole run, `timeline-cN.txt`/`.png` over the highest level's
 items only). Logs (`whole.log`, `stage0.log`, `stage1.log`, `metrics-*.txt`) are trimmed to the
 first lines, the `pp item` lines and any error lines, at most ~200 KB each, and have local paths
@@ -37,7 +37,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
-from kernjax.edge import TRANSPORTS
+from kernjax.runtime.edge import TRANSPORTS
 
 CONFIGS = ("whole", "2 stages")
 LOG_BYTES = 200_000
@@ -77,7 +77,7 @@ class Server:
         env = dict(os.environ)
         if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
-        serve = ["-m", "kernjax.serve"]
+        serve = ["-m", "kernjax", "serve"]
         if self.trace:  # experiments/traced.py: kernjax.serve recording items FIRST.. in a profile
             env["KERNJAX_TRACE"] = f"{log.with_suffix('.trace')}:{self.trace}"
             serve = [str(Path(__file__).resolve().parent / "traced.py")]
@@ -205,7 +205,7 @@ def item_max(log: Path) -> int:
 
 
 def timeline(logs, png: Path, txt: Path, cwd: Path, extra=()):
-    p = subprocess.run([sys.executable, "-m", "kernjax.timeline", *[str(x.name) for x in logs],
+    p = subprocess.run([sys.executable, "-m", "kernjax", "timeline", *[str(x.name) for x in logs],
                         "--png", str(png.resolve()), *extra], cwd=cwd, capture_output=True,
                        text=True, timeout=300)
     text = p.stdout + (f"\n[exit {p.returncode}]\n{p.stderr[-3000:]}" if p.returncode else "")
@@ -254,7 +254,7 @@ def main():
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--seqs", type=int, default=4)
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--pages", type=int, default=0, help="pages per KV state (kernjax.cut "
+    ap.add_argument("--pages", type=int, default=0, help="pages per KV state (kernjax cut "
                     "--pages; 0: its default, seqs full contexts): --seqs 1 with the pages of "
                     "--seqs 16 keeps 16 sequences live, one per item")
     ap.add_argument("--at", default="1")
@@ -304,7 +304,7 @@ def main():
     rows, tokens, failures, ranges = [], {}, [], {}
     try:
         t = time.time()
-        p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", a.model, "--at", a.at,
+        p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", a.model, "--at", a.at,
                             "--chunk", str(a.chunk), "--seqs", str(a.seqs), "--context",
                             str(a.context), "--out", str(tmp / "cut")]
                            + (["--pages", str(a.pages)] if a.pages else []),

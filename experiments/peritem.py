@@ -4,7 +4,7 @@ A served cut is made for many sequences (`--seqs`, `--context`), so its KV state
 (qwen3-4b, 16 sequences of 16k tokens: 36 GiB). The work of an item should follow its rows and
 the context its sequences have, never the size of the pool. This script cuts the model at each
 `--configs` entry (SEQS:CONTEXT), opens its whole program as the server does
-(`kernjax.runner.open_stage`), and times an empty item (every row padding) and a full item of one
+(`kernjax.runtime.runner.open_stage`), and times an empty item (every row padding) and a full item of one
 sequence, run after run; and it counts the copies of a state-sized buffer in the compiled module
 (a copy of a state per item is a pool-sized cost), with `--stages` in the stages' programs too.
 
@@ -34,8 +34,9 @@ import numpy as np
 from absl import app, flags
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernjax import ffi, runner as R  # noqa: E402
-from kernjax.item import Piece, make_item  # noqa: E402
+from kernjax.kernels import ffi  # noqa: E402
+from kernjax.runtime import runner as R
+from kernjax.core.item import Piece, make_item  # noqa: E402
 
 flags.DEFINE_string("model", "qwen3-tiny", "a named model, random weights")
 flags.DEFINE_string("configs", "1:256,16:2048", "comma-separated SEQS:CONTEXT program shapes")
@@ -88,7 +89,7 @@ def main(_):
     for cfg in FLAGS.configs.split(","):
         seqs, context = (int(x) for x in cfg.split(":"))
         with tempfile.TemporaryDirectory() as d:
-            subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", FLAGS.model, "--at",
+            subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", FLAGS.model, "--at",
                             "1", "--chunk", str(FLAGS.chunk), "--seqs", str(seqs), "--context",
                             str(context), "--out", d], check=True, capture_output=True)
             r = R.open_stage(Path(d) / "whole")

@@ -6,7 +6,7 @@ prompt in one chunk, and a chunk >= S is S): one untimed warm-up prefill of the 
 compiling, which is timed on its own), then `--iters` timed prefills of all S tokens (more for a
 short row: `--min_row_s` of them and their idle by the warm-up's time, at most 25), chunk after chunk, states zeroed between prefills (outside the clock) but never recompiled; the clock stops
 when the host has the token: for the JAX systems, read from the ring their program published it
-into after all its work (`kernjax.tokens`, as kernjax's runner reads it; `--publish 0`: after
+into after all its work (`kernjax.runtime.tokens`, as kernjax's runner reads it; `--publish 0`: after
 `block_until_ready` of every output), for transformers after `torch.cuda.synchronize()`. The
 median is the time to first token.
 
@@ -26,7 +26,7 @@ median is the time to first token.
                           across chunks, logits of the last row only
 
 Programs are compiled once per (system, rows, context) and reused. A chunk program (rows < S) is
-compiled once with the largest context and serves every prompt: attention (models/attention.py)
+compiled once with the largest context and serves every prompt: attention (kernjax/kernels/attention.py)
 visits only the key blocks the item's sequences reach, so the page table's width adds no work.
 A one-pass program (rows = S) has context S. `--exact_context` compiles every program with
 context = S instead (more compiles).
@@ -56,7 +56,7 @@ import tempfile
 # Before jax starts: JAX and torch share the GPU, so JAX allocates as it goes and leaves room.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
-# kernjax keeps compiled programs in a cache (kernjax/xla.py); a fresh
+# kernjax keeps compiled programs in a cache (kernjax/runtime/xla.py); a fresh
 # one per run, unless the caller names one, so that compile times are those of a cold machine.
 _OWN_CACHE = not os.environ.get("KERNJAX_XLA_CACHE")
 if _OWN_CACHE:
@@ -99,12 +99,12 @@ import numpy as np  # noqa: E402
 
 import clocks  # noqa: E402  (experiments/clocks.py, this script's directory)
 from kernjax.cli import parse_at  # noqa: E402
-from kernjax.cut import cut, whole  # noqa: E402
-from kernjax.item import Piece, chunks, item_shape, make_item  # noqa: E402
-from kernjax.stage import export_stage  # noqa: E402
-from kernjax.trace import as_function  # noqa: E402
-from kernjax import xla  # noqa: E402
-from kernjax.tokens import Published, Token, TokenRing, ring as token_ring  # noqa: E402
+from kernjax.core.cut import cut, whole  # noqa: E402
+from kernjax.core.item import Piece, chunks, item_shape, make_item  # noqa: E402
+from kernjax.artifact import export_stage  # noqa: E402
+from kernjax.core.trace import as_function  # noqa: E402
+from kernjax.runtime import xla  # noqa: E402
+from kernjax.runtime.tokens import Published, Token, TokenRing, ring as token_ring  # noqa: E402
 
 SYSTEMS = ("kernjax", "kernjax-2stages", "kernjax-unconstrained", "jax-plain", "transformers")
 # The order systems run in: cheap ones first (their unused share of --max_seconds goes to the
@@ -771,9 +771,9 @@ class Results:
                     f"(attention `{d.get('transformers_attn')}`)" if d.get("torch") else "")
                  + ".",
                  f"- **XLA_FLAGS** (every JAX system, one process): `{d['xla_flags']}`; "
-                 f"compile options (`kernjax.xla.compile_options(rows)`, each JAX program): "
+                 f"compile options (`kernjax.runtime.xla.compile_options(rows)`, each JAX program): "
                  f"`{d.get('compile_options', {})}`; the token published to the host by "
-                 f"the program (`kernjax.tokens`, as the runner's): {d.get('publish', False)}; "
+                 f"the program (`kernjax.runtime.tokens`, as the runner's): {d.get('publish', False)}; "
                  f"XLA_PYTHON_CLIENT_PREALLOCATE=false, MEM_FRACTION={d['mem_fraction']}.",
                  "- **Command:**", "", "```", d["command"], "```", "",
                  "## Result", "",
@@ -872,12 +872,12 @@ class Results:
                   "iterations, chunk settings with the same rows and prompts: "
                   + ("every program has context = S (`--exact_context`)." if d["exact_context"]
                      else "a chunk program (rows < S) is compiled once with context = the largest "
-                     "prompt and serves every S (the attention in `models/attention.py` visits "
+                     "prompt and serves every S (the attention in `kernjax/kernels/attention.py` visits "
                      "only the key blocks the item's sequence reaches, so the page table's width "
                      "adds no attention work; the states are sized for the largest prompt); a "
                      "one-pass program (rows = S) has context S, one per S.")
                   + " The compile table lists each program once, at the first prompt that used "
-                  "it. Compiling runs with kernjax's XLA set-up (`kernjax/xla.py`: each GEMM's "
+                  "it. Compiling runs with kernjax's XLA set-up (`kernjax/runtime/xla.py`: each GEMM's "
                   + ("algorithm chosen untimed" if "exclude_nondeterministic_ops=true" in
                      d.get("xla_flags", "") else "kernel timed by XLA (XLA_FLAGS above)")
                   + ", JAX's persistent compilation cache) in "
@@ -1314,7 +1314,7 @@ def parse_args(argv=None):
                     "A/B against pages gathered before FlashAttention-3")
     ap.add_argument("--publish", type=int, default=1, help="1: every JAX system's program "
                     "publishes its token to the host itself, as kernjax's runner does "
-                    "(`kernjax.tokens`), and a row's time ends when the host has it; 0: the "
+                    "(`kernjax.runtime.tokens`), and a row's time ends when the host has it; 0: the "
                     "token through PjRt, its time ending when every output is ready (the A/B)")
     ap.add_argument("--idle", type=float, default=0.0,
                     help="seconds the GPU idles before each timed prefill: one prompt's time to "

@@ -1,7 +1,7 @@
 """Whether kernjax's Mosaic GPU kernels at a commit and in the tree are the same.
 
-The GPU gates ran at some commit; a later change to `models/attention_hopper.py` or
-`models/mlp_hopper.py` (an experimental option, a comment, a moved line) may leave the kernels the
+The GPU gates ran at some commit; a later change to `kernjax/kernels/attention_hopper.py` or
+`kernjax/kernels/mlp_hopper.py` (an experimental option, a comment, a moved line) may leave the kernels the
 default path compiles untouched. This lowers them for an H200 on this machine (no GPU needed: an
 abstract device) from both versions of each file, the Hopper attention kernel for each config and
 the MLP's fused GEMM, GEMM apart and silu·mul kernel at 512, 2048 and 8192 rows, and compares the
@@ -29,11 +29,11 @@ import jax.numpy as jnp
 from jax._src.interpreters import mlir as jmlir
 from jax._src.lib.mlir import ir
 
-from kernjax.models import attention_hopper
+from kernjax.kernels import attention_hopper
 
 REPO = Path(__file__).resolve().parents[1]
-PATH = "models/attention_hopper.py"
-MLP = "models/mlp_hopper.py"
+PATH = "kernjax/kernels/attention_hopper.py"
+MLP = "kernjax/kernels/mlp_hopper.py"
 CONFIGS = {"default": {}, "default, 2048 rows": {"rows": 2048},
            "overlap, turns": attention_hopper.VARIANTS["overlap-turns"]}
 
@@ -69,7 +69,7 @@ def modules_of(lowered) -> list[str]:
 
 def mosaic_module(mod, rows: int = 512, **kw) -> str:
     """The attention kernel's Mosaic GPU module as text, without debug locations: `mod` (a
-    version of models/attention_hopper.py) lowered for an H200 by the tree's `lower_for_h200`."""
+    version of kernjax/kernels/attention_hopper.py) lowered for an H200 by the tree's `lower_for_h200`."""
     found = modules_of(attention_hopper.lower_for_h200(rows, fn=mod.chunk_attention, **kw))
     if len(found) != 1:
         raise SystemExit(f"expected one Mosaic GPU module, found {len(found)}")
@@ -77,7 +77,7 @@ def mosaic_module(mod, rows: int = 512, **kw) -> str:
 
 
 def mlp_modules(mod, rows: int) -> dict:
-    """{kernel: module text} of `mod` (a version of models/mlp_hopper.py) at qwen3-4b's MLP
+    """{kernel: module text} of `mod` (a version of kernjax/kernels/mlp_hopper.py) at qwen3-4b's MLP
     shapes, as the model's calls lower them (its knobs included): the fused GEMM, the GEMM
     writing gate and up, the silu·mul kernel apart."""
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16

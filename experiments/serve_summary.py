@@ -45,7 +45,7 @@ def load(d: Path) -> dict:
 
 def item_period_ms(d: Path) -> float | None:
     """The slower stage's median item period at the run's highest concurrency (its
-    `timeline-cN.txt`, `python -m kernjax.timeline`'s report), or None."""
+    `timeline-cN.txt`, `kernjax timeline`'s report), or None."""
     reports = sorted(d.glob("timeline-c*.txt"), key=lambda p: int(p.stem.split("-c")[-1]))
     if not reports:
         return None

@@ -1,7 +1,7 @@
-"""`python experiments/traced.py ARGS`: `python -m kernjax.serve ARGS` that records a JAX profile
+"""`python experiments/traced.py ARGS`: `kernjax serve ARGS` that records a JAX profile
 of items FIRST..FIRST+COUNT-1 into DIR, with `KERNJAX_TRACE=DIR:FIRST:COUNT` in its environment.
 
-The profile starts once item FIRST-1 is logged (`kernjax.timeline.log_item`, which every stage
+The profile starts once item FIRST-1 is logged (`kernjax.serve.timeline.log_item`, which every stage
 calls per item) and stops once the last is. Python's own calls are traced only with
 `KERNJAX_TRACE_PYTHON=1`: the tracer slows every Python call, the host's issue most of all.
 Meanwhile each issue of a program on the host (`Runner.run`, `Runner.run_edged`) is timed, and
@@ -20,7 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import jax  # noqa: E402
 
-from kernjax import runner, timeline  # noqa: E402
+from kernjax.runtime import runner  # noqa: E402
+from kernjax.serve import timeline
 
 _log = timeline.log_item
 _where, _first, _count = os.environ["KERNJAX_TRACE"].rsplit(":", 2)

@@ -1,11 +1,11 @@
-"""Transfer per item over an edge: two processes, the programs of kernjax/edge.py, no model.
+"""Transfer per item over an edge: two processes, the programs of kernjax/runtime/edge.py, no model.
 
 Stage 0's program pushes `--departures` arrays of `--shape` (`--dtype`) into the edge for each of
 `--items` items; stage 1's program receives them and sums one element of each (so the receive is
 used). Both are issued at once, item after item, as serving issues them; each side's clock runs
 from its first issue to its last item's token. The time per item of the slower side, against
 bytes / `--link_gbs` (NVLink measured at 338 GB/s on the two-H200 machine), is the transfer's
-cost; serving's item period (`python -m kernjax.timeline`) gives its share.
+cost; serving's item period (`kernjax timeline`) gives its share.
 
     python experiments/transfer.py --transport ipc --gpus 0,1 --items 200          # two GPUs
     python experiments/transfer.py --transport shm --items 50 --shape 64,64        # the CPU
@@ -45,7 +45,7 @@ def _slots(rank: int, a):
     if a.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = a.gpus.split(",")[rank]
     sys.path.insert(0, str(REPO))
-    from kernjax.trace import Slot
+    from kernjax.core.trace import Slot
 
     shape = tuple(int(x) for x in a.shape.split(","))
     return shape, [Slot(f"x{i}", "departure", a.dtype, shape) for i in range(a.departures)]
@@ -57,7 +57,7 @@ def side(rank: int, a, q_out, q_in, res) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from kernjax import edge
+    from kernjax.runtime import edge
     if rank == 1:  # the receiver makes the edge and names it, as a serving stage does
         e, fields = edge.receiving(slots, 0, a.transport, a.slots)
         q_out.put(fields)
@@ -105,7 +105,8 @@ def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from kernjax import edge, ffi
+    from kernjax.runtime import edge
+    from kernjax.kernels import ffi
     e_in, fields = edge.receiving(slots, 1 - rank, a.transport, a.slots)  # side 0 takes edge 1
     q_out.put(fields)
     e_out = edge.sending(slots, rank, q_in.get())
@@ -227,7 +228,7 @@ def pingpong(a) -> dict:
 
 
 def main() -> int:
-    from kernjax.edge import TRANSPORTS  # jax comes with it: each rank's process sets its GPU first
+    from kernjax.runtime.edge import TRANSPORTS  # jax comes with it: each rank's process sets its GPU first
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--transport", default="shm", choices=[t for t in TRANSPORTS if t != "host"])

@@ -1,5 +1,5 @@
 """A model of how the Hopper attention kernel's warpgroups synchronize, checked under random
-interleavings: for each schedule of `models/attention_hopper.py` (`pingpong`, `overlapped`
+interleavings: for each schedule of `kernjax/kernels/attention_hopper.py` (`pingpong`, `overlapped`
 with `turns`) and the turns one way at named barriers (`named`), the sequence of
 barrier operations each warpgroup runs, with the memory warpgroup's ring of `steps` slots.
 

@@ -6,7 +6,7 @@ and stored dtype, casts to the asked dtype and names every missing or mis-shaped
 error. A model may name fallbacks: a tensor a checkpoint omits read from another (none does now:
 a tied head is the embedding in the program itself).
 
-Random weights are written in the same format (`python -m kernjax.weights random`), so every
+Random weights are written in the same format (`kernjax weights random`), so every
 random run goes through the real loader, with a small byte-level `tokenizer.json` so text prompts
 work without a download. Each tensor draws from its own generator seeded by
 `(seed, crc32(name))`: the same name gives the same bytes whatever else the checkpoint holds.
@@ -16,15 +16,11 @@ A named model's random checkpoint is made once into a cache directory (`$KERNJAX
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
-    from kernjax import cli
-
-    cli.run(cli.weights_main)
-
 import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -37,8 +33,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
-from kernjax import models
-from kernjax.xla import cache_dir
+from kernjax.runtime.xla import cache_dir
 
 SHARD_BYTES = 2 << 30
 
@@ -76,6 +71,7 @@ def read_config(ckpt: str | os.PathLike):
         raise WeightError(f"`{path}` is not valid JSON ({e})") from None
     if not isinstance(d, dict):
         raise WeightError(f"`{path}` holds a JSON {type(d).__name__}, not an object")
+    from kernjax import models
     fam = models.family(d.get("model_type", "?"))
     try:
         cfg = fam.config_from_hf(d, name=d.get("_name", Path(ckpt).name))
@@ -103,14 +99,20 @@ def _fits(f: dataclasses.Field, v) -> bool:
     return f.type not in ("bool", bool) or type(v) is bool
 
 
-def same_model(ckpt: str | os.PathLike, config: Mapping) -> None:
-    """Refuses a checkpoint whose config.json describes another model than `config` (a model
-    config as a manifest records it); a checkpoint without config.json is left to `load`."""
+def same_model(ckpt: str | os.PathLike, model: Mapping) -> None:
+    """Refuses a checkpoint whose config.json describes another model than `model` (a
+    manifest's `model`: its `hf` is the config.json the cut's config writes, compared key by key
+    with the checkpoint's, so no model code runs); a checkpoint without config.json is left to
+    `load`."""
     if not (Path(ckpt) / "config.json").is_file():
         return
-    got = json.loads(json.dumps(read_config(ckpt)[1].__dict__))  # as a manifest records it
-    diff = [f"{k} {got.get(k)} (the stages: {v})" for k, v in config.items()
-            if k not in ("name", "dtype") and got.get(k) != v]
+    try:
+        got = json.loads((Path(ckpt) / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise WeightError(f"`{Path(ckpt) / 'config.json'}` is not JSON ({e}); mend it") from None
+    skip = {"architectures", "torch_dtype", "dtype", "quantization"}
+    diff = [f"{k} {got.get(k)} (the stages: {v})" for k, v in model["hf"].items()
+            if k not in skip and k in got and got[k] != v]
     if diff:
         raise WeightError(f"checkpoint `{ckpt}` is another model than the stages were cut for: "
                           f"{', '.join(diff)}; pass --weights with the checkpoint they were cut "
@@ -247,13 +249,14 @@ def load(ckpt: str | os.PathLike, want: Sequence[tuple[str, tuple[int, ...], str
 def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
                  progress: bool = True) -> Path:
     """Writes the named model's deterministic random checkpoint (config.json + safetensors)."""
+    from kernjax import models
     fam, cfg = models.named(name)
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise WeightError(f"`{out}` is not empty; write a random checkpoint into a new directory")
     out.mkdir(parents=True, exist_ok=True)
     shapes = fam.weight_shapes(cfg)
-    sources = getattr(fam, "source_shapes", lambda cfg: [])(cfg)
+    sources = fam.source_shapes(cfg)
     total = sum(int(np.prod(s)) for _, s in shapes) * np_dtype(dtype).itemsize
     total += sum(int(np.prod(s)) * np_dtype(d).itemsize for _, s, d in sources)
     shards, cur, size, t0 = [], {}, 0, time.time()
@@ -325,6 +328,7 @@ def write_tokenizer(out: Path, vocab: int) -> None:
 
 def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> Path:
     """The cached random checkpoint of a named model, written on first use."""
+    from kernjax import models
     _, cfg = models.named(name)
     dtype = dtype or cfg.dtype
     path = cache_dir() / "random" / f"{name}-seed{seed}-{dtype}"
@@ -343,3 +347,41 @@ def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> 
         write_tokenizer(path, cfg.vocab)
     return path
 
+
+def split_derived(recipes, want) -> tuple[list, list]:
+    """`(the weights of want read from the checkpoint as they are, the recipes that derive the
+    rest)`; want holds `(name, shape, dtype)`."""
+    names = {w[0] for w in want}
+    used = [r for r in recipes if any(n in names for n, _, _ in r.outputs)]
+    made = {n for r in used for n, _, _ in r.outputs}
+    return [w for w in want if w[0] not in made], used
+
+
+def check_sources(fam, cfg, program, ckpt: Path) -> None:
+    """Every tensor the program reads, or derives its weights from, is in the checkpoint with its
+    shape (the files' headers only): a config.json that contradicts its safetensors is refused
+    at the cut, not when a stage loads."""
+    plain, recipes = split_derived(fam.derived(cfg),
+                                   [(s.name, s.shape, s.dtype) for s in program.inputs
+                                    if s.role == "weight"])
+    try:
+        load(ckpt, plain + [src for r in recipes for src in r.sources],
+                     fallbacks=fam.FALLBACKS, shapes_only=True)
+    except WeightError as e:
+        if not re.search(r"` has shape |` is missing from ", str(e)):  # the files are at fault
+            raise
+        raise WeightError(f"{e}\nThe program follows `{ckpt / 'config.json'}`: it and "
+                                  "the checkpoint's tensors disagree; mend one of them") from None
+
+
+def tokenizer(ckpt: Path | None):
+    """The checkpoint's `tokenizer.json` (the tokenizers library), or None when it has none."""
+    if ckpt is None or not (ckpt / "tokenizer.json").is_file():
+        return None
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 (the tokenizers library raises plain Exceptions)
+        raise ValueError(f"`{ckpt / 'tokenizer.json'}` is not a tokenizer the tokenizers library "
+                         f"reads ({str(e)[:120]}); remove it to use token ids, or replace it") \
+            from None

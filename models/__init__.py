@@ -1,13 +1,12 @@
 """Model families kernjax can trace, installed as `kernjax.models`. All model knowledge lives here.
 
-A family module provides `CONFIGS` (named configs), `config_from_hf(dict)`, `hf_config(cfg)`,
-`weight_shapes(cfg)`, `random_weight(name, shape, rng)`, `FALLBACKS`, `page(cfg)` (rows a KV page
-holds), and `prefill`/`program(cfg, *, dtype, rows, seqs, context, pages)`. A family whose checkpoint holds
-weights in another form than its program reads also provides `derived(cfg)` (the derive program,
-`kernjax/derive.py`; a float weight it makes is in `cfg.dtype`, which the loader sets to the
-program's): qwen3 fuses q/k/v, k3 shuffles MXFP4 experts. Sources in the model's dtype are among
-`weight_shapes`; sources kept in their own dtype are `source_shapes(cfg)`, drawn by
-`random_sources(cfg, seed)`. kernjax reaches a family only through `family()` and `named()`.
+Each family module implements `kernjax.core.family.Family` (checked when it is first reached):
+its named configs, its checkpoint's tensors, its forward traced into calls with its layers
+declared, and its derive program (`derived(cfg)`: weights the forward reads in another form than
+the checkpoint holds them; a float weight it makes is in `cfg.dtype`, which the loader sets to the
+program's): qwen3 fuses q/k/v, k3 shuffles MXFP4 experts. The kernels the forwards call live in
+`kernjax/kernels/`. kernjax reaches a family only through `family()` and `named()`; a stage host
+never does (its artifact carries the derive program).
 """
 
 from __future__ import annotations
@@ -27,7 +26,10 @@ def family(model_type: str) -> ModuleType:
     if model_type not in FAMILIES:
         raise ValueError(f"model_type `{model_type}` is not supported; kernjax knows "
                          f"{sorted(FAMILIES)}")
-    return importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+    module = importlib.import_module(f"{__name__}.{FAMILIES[model_type]}")
+    from kernjax.core import family as contract
+    contract.check(module)
+    return module
 
 
 def named(name: str):

@@ -7,7 +7,7 @@ The structure of Kimi Linear (`../shared/reference/models.md` §2-§4) at small 
 - **KDA layer** (§2.1): q/k/v projections; a depthwise causal conv of width `conv` with SiLU per
   stream, restarting at every sequence and continued across chunks from the sequence's conv tail;
   q and k L2-normed per head (float32); the decay `g = -exp(A_log) * softplus(f_b(f_a(x)) +
-  dt_bias)` per channel; `beta = sigmoid(b_proj(x))`; the gated delta rule (`models/kda.py`,
+  dt_bias)` per channel; `beta = sigmoid(b_proj(x))`; the gated delta rule (`kernjax/kernels/kda.py`,
   chunked WY/UT form, chunk 64) from the sequence's recurrent state; `RMSNorm(o) * w *
   sigmoid(g_b(g_a(x)))`; o_proj.
 - **MLA layer** (§3.2, NoPE): `models/mla.py` over a paged latent `[c_kv | k_pe]`.
@@ -15,7 +15,7 @@ The structure of Kimi Linear (`../shared/reference/models.md` §2-§4) at small 
   `routed_scale`, plus one shared expert (`models/moe.py`). Routed experts are checkpointed in
   MXFP4 (`...experts.{e}.w{1,2,3}.weight_packed` / `weight_scale`, the compressed-tensors
   names) and the program reads them in the GEMM shuffle layout (`mxfp4.shuffle`), which a
-  derive program makes at load (`derived`; `kernjax/derive.py`).
+  derive program makes at load (`derived`; `kernjax/runtime/derive.py`).
 
 **States.** Per MLA layer `kv.{i}` `[pages, 16, kv_lora + rope]` (paged, listed first); per KDA
 layer `conv.{i}` `[slots, conv - 1, 3·H·K]` (the last inputs of q, k, v before the chunk) and
@@ -38,10 +38,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax.trace import Program, Slot, call, trace
+from kernjax.core.trace import Program, Slot, call, trace
 
-from . import kda, mla, moe, mxfp4, seqstate
-from .qwen3 import (add_norm, argmax, embed, gate_up, input_norm, linear, lm_head,
+from kernjax.kernels import kda, mxfp4
+
+from . import mla, moe, seqstate
+from .qwen3 import (add_norm, argmax, embed, gate_up, input_norm, layer_of, linear, lm_head,
                     silu_mul)
 from .qwen3 import random_weight as _qwen3_random
 
@@ -236,9 +238,9 @@ def _sf_size(m: int, k: int) -> int:
 def derived(cfg: Config) -> list:
     """The derive program: per MoE layer, GEMM1 (`[w3; w1]`, gated) and GEMM2 (`w2`) of every
     expert, from the checkpoint's MXFP4 sources into the shuffle layout `moe` reads, as
-    `kernjax.derive.Recipe`s in call order."""
-    from kernjax import ffi
-    from kernjax.derive import Recipe
+    `kernjax.core.staging.Recipe`s in call order."""
+    from kernjax.kernels import ffi
+    from kernjax.core.staging import Recipe
 
     # The kernel (csrc/mxfp4_shuffle.*) where the extension is built, else its JAX reference:
     # bitwise the same (tests/test_mxfp4.py).
@@ -283,7 +285,7 @@ def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
     arguments of `prefill`)."""
     fn, inputs, outputs, slots = prefill(cfg, dtype=dtype, rows=rows, seqs=seqs,
                                          context=context, pages=pages, slots=slots)
-    return trace(fn, inputs, outputs, rows=rows, slots=slots)
+    return trace(fn, inputs, outputs, rows=rows, slots=slots, layer_of=layer_of)
 
 
 def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,

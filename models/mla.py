@@ -31,7 +31,7 @@ own sequence) through `kv_b_proj` on every visit, `Hh·(nope+v)·kv_lora` flops 
 and it would materialise per-head keys and values; the absorbed form pays `Hh·nope·kv_lora` per
 *row* once (q̃) and `Hh·v·kv_lora` per row once (W_UV). `form="naive"` is kept as a cross-check.
 
-Both follow `models/attention.py: blockwise`'s rules: key blocks aligned to key 0, visited in
+Both follow `kernjax/kernels/attention.py: blockwise`'s rules: key blocks aligned to key 0, visited in
 order with an online softmax, the loop stops at the last block any row needs, a block past a row's
 position is an exact no-op for it, the row's own sequence is *selected* (never summed over) so
 its bits do not depend on its slot, float32 scores and softmax, probabilities cast to the input
@@ -43,7 +43,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .attention import NEG, exact, item_rows
+from kernjax.kernels.attention import NEG, exact, item_rows
 
 PAGE = 16  # rows a page of the latent state holds (models/k3.py's)
 
@@ -68,7 +68,7 @@ def write(state, c_kv, k_pe, slots):
     pages = state.shape[0]
     flat = state.reshape(pages * PAGE, state.shape[-1])
     row = jnp.concatenate([c_kv, k_pe], axis=-1).astype(state.dtype)
-    # distinct slots (kernjax.item): a plain store per row on a GPU
+    # distinct slots (kernjax.core.item): a plain store per row on a GPU
     return flat.at[slots].set(row, mode="drop", unique_indices=True).reshape(state.shape)
 
 
@@ -84,7 +84,7 @@ def attend(state, q_nope, q_pe, w_kv_b, positions, cu_seqlens, page_table, *, sc
     """`[rows, heads, v]` MLA output (before o_proj) over the paged latent `state`.
 
     `q_nope [rows, Hh, nope]`, `q_pe [rows, Hh, rope]` (unrotated), `w_kv_b` as `_split_w`;
-    the item (`positions`, `cu_seqlens`, `page_table`) as in `models/attention.py`.
+    the item (`positions`, `cu_seqlens`, `page_table`) as in `kernjax/kernels/attention.py`.
     """
     rows, heads, nope = q_nope.shape
     rope = q_pe.shape[-1]

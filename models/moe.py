@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import mxfp4
+from kernjax.kernels import mxfp4
 
 F32 = jnp.float32
 HI = lax.Precision.HIGHEST  # float32 stays float32 on GPUs (no TF32 passes)

@@ -8,7 +8,7 @@ Calls: `embed`, `l0.input_norm`, then twelve per layer (`qkv_proj`, `q_norm`, `k
 As in kern, `qkv_proj` is one GEMM: the program reads one weight per layer,
 `self_attn.qkv_proj.weight` `[(heads + 2 kv_heads) head_dim, hidden]`, the checkpoint's
 q_proj, k_proj and v_proj stacked in that order, which `derived` makes at load
-(`kernjax/derive.py`); the checkpoint keeps the three HF tensors. The call returns one buffer
+(`kernjax/runtime/derive.py`); the checkpoint keeps the three HF tensors. The call returns one buffer
 `qkv`, and its readers slice it inside their own calls: `q_norm` its q, `k_norm` its k,
 `kv_write` its v (beside the roped k), so no slice is a buffer of its own between calls. On an
 H200 at 8192 rows the three GEMMs of qwen3-4b took 0.368 ms a layer, the one 0.330 ms (roadmap
@@ -20,7 +20,7 @@ One run prefills one chunk of `rows` rows holding pieces of up to `seqs` sequenc
 else 16); `kv_write` stores the chunk's keys and values at `slots` (page id · rows a page +
 offset; an out-of-range slot drops a padding row), and `attn` reads every
 earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
-blocks the item's sequences reach (`models/attention.py`: plain JAX on the CPU; on CUDA GPUs
+blocks the item's sequences reach (`kernjax/kernels/attention.py`: plain JAX on the CPU; on CUDA GPUs
 FlashAttention-3 for bf16, a Pallas Triton kernel for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
 chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
 
@@ -38,11 +38,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax.derive import Recipe
-from kernjax.trace import Program, Slot, call, on_gpu, trace
-
-from . import dense_cuda, mlp_hopper
-from .attention import chunk_attention, exact, page_size
+from kernjax.core.staging import Recipe
+from kernjax.core.trace import Program, Slot, call, on_gpu, trace
+from kernjax.kernels import dense_cuda, mlp_hopper
+from kernjax.kernels.attention import chunk_attention, exact, page_size
 
 
 def page(cfg: Config) -> int:
@@ -150,7 +149,7 @@ def program_weights(cfg: Config) -> list[tuple[str, tuple[int, ...]]]:
 def derived(cfg: Config) -> list:
     """The derive program: per layer, `self_attn.qkv_proj.weight` from the checkpoint's q_proj,
     k_proj and v_proj (concatenated along the output rows), in `cfg.dtype`, as
-    `kernjax.derive.Recipe`s in call order."""
+    `kernjax.core.staging.Recipe`s in call order."""
     d, dt = cfg.hidden, cfg.dtype
     rows = {s: n * cfg.head_dim for s, n in (("q", cfg.heads), ("k", cfg.kv_heads),
                                              ("v", cfg.kv_heads))}
@@ -164,8 +163,17 @@ def derived(cfg: Config) -> list:
     return out
 
 
-def _fuse_qkv(wq, wk, wv):  # one function for every layer: one derive program (kernjax.derive)
+def _fuse_qkv(wq, wk, wv):  # one function for every layer: one derive program (kernjax.runtime.derive)
     return jnp.concatenate([wq, wk, wv], axis=0)
+
+
+def source_shapes(cfg: Config) -> list:
+    """Tensors kept in their own dtype: none (every Qwen3 tensor is in the model's dtype)."""
+    return []
+
+
+def random_sources(cfg: Config, seed: int) -> list:
+    return []
 
 
 def random_weight(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -211,7 +219,7 @@ def silu_mul(g, u):
 
 
 # On Hopper, gate/up and silu·mul as one GEMM with silu·mul in its epilogue where no cut falls
-# between them, the same GEMM and epilogue apart where one does (models/mlp_hopper.py, K13).
+# between them, the same GEMM and epilogue apart where one does (kernjax/kernels/mlp_hopper.py, K13).
 on_gpu("gate_up", "silu_mul")(mlp_hopper.fused_call)
 on_gpu("gate_up")(mlp_hopper.gate_up_call)
 on_gpu("silu_mul")(mlp_hopper.silu_mul_call)
@@ -234,13 +242,23 @@ def argmax(logits):
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None, page_rows: int | None = None) -> Program:
+            pages: int | None = None, slots: int | None = None,
+            page_rows: int | None = None) -> Program:
     """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program.
 
-    Takes the arguments of `prefill`.
+    Takes the arguments of `prefill`; `slots` is refused (Qwen3's states are all paged).
     """
+    if slots is not None:
+        raise ValueError(f"--slots: {cfg.name} has no per-sequence states (its states are "
+                         "paged: size them with --pages)")
     return trace(*prefill(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages,
-                          page_rows=page_rows), rows=rows)
+                          page_rows=page_rows), rows=rows, layer_of=layer_of)
+
+
+def layer_of(call_name: str) -> int | None:
+    """The layer of a call: `l18.attn` is layer 18's; `embed`, `final_norm` and the head none."""
+    head, dot, _ = call_name.partition(".")
+    return int(head[1:]) if dot and head[:1] == "l" and head[1:].isdigit() else None
 
 
 def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
@@ -297,7 +315,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         return rot(q), rot(k)
 
     def kv_write(kv, k, qkv, slots):
-        # Slots are distinct (kernjax.item), so the scatters promise unique indices: a GPU
+        # Slots are distinct (kernjax.core.item), so the scatters promise unique indices: a GPU
         # stores each row once, no atomics. K and V go separately: no stacked copy.
         v = qkv[:, (H + KV) * D:].reshape(rows, KV, D)
         flat = kv.reshape(pages * rows_a_page, 2, KV, D)

@@ -2,7 +2,7 @@
 
 Paged KV grows with a sequence; a recurrent state does not: each sequence owns one *slot* of a
 state `[slots, ...]` for its whole life. The head leases the slot with the sequence's pages and
-sends it with every piece (`seq_slots [seqs]` in the item, `kernjax/item.py`); slot 0 is never
+sends it with every piece (`seq_slots [seqs]` in the item, `kernjax/core/item.py`); slot 0 is never
 leased, and an unused sequence entry holds `slots`, one past the end, so it reads zeros and
 writes nothing. A piece that starts at position 0 is a fresh sequence: that is the head's word
 to start from zeros, whatever the slot held before (a finished sequence's state stays behind

@@ -12,7 +12,7 @@ import numpy as np
 
 def pytest_configure(config):
     """Random checkpoints and XLA's caches go to a per-run cache, never the user's: set before any
-    test module imports kernjax, which points XLA at its cache then (`kernjax/xla.py`)."""
+    test module imports kernjax, which points XLA at its cache then (`kernjax/runtime/xla.py`)."""
     os.environ["KERNJAX_CACHE"] = tempfile.mkdtemp(prefix="kjcache-")
     atexit.register(shutil.rmtree, os.environ["KERNJAX_CACHE"], ignore_errors=True)
 

@@ -1,4 +1,4 @@
-"""The attention call's portable route (`models/attention.py: blockwise`): the right function
+"""The attention call's portable route (`kernjax/kernels/attention.py: blockwise`): the right function
 against a float32 reference, padding rows written as zeros, and batch invariance: a sequence's
 rows have the same bits alone and packed with others, in the op and through a whole program."""
 
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from kernjax import models
-from kernjax.cut import whole
-from kernjax.item import Piece, Shape, item_shape, make_item
-from kernjax.models import attention
-from kernjax.stage import export_stage
+from kernjax.core.cut import whole
+from kernjax.core.item import Piece, Shape, item_shape, make_item
+from kernjax.kernels import attention
+from kernjax.artifact import export_stage
 
 def lease(rng, lengths, chunks, *, width, rows, seqs, page=16):
     """`(pages, item)`: sequences of `lengths[i]` tokens on shuffled pages of `page` rows (two
@@ -168,9 +168,9 @@ def test_a_page_is_128_rows_at_head_dim_128_and_16_elsewhere():
 
 
 def test_a_flashattention_library_that_does_not_load_is_named_not_fatal(tmp_path):
-    """kernjax.ffi loads FlashAttention-3 when it can; a bad library is reported by kj_fa3 when a
+    """kernjax.kernels.ffi loads FlashAttention-3 when it can; a bad library is reported by kj_fa3 when a
     program needs it (csrc/fa3.cu) and keeps nothing else from running."""
-    from kernjax import ffi
+    from kernjax.kernels import ffi
 
     ffi.register()
     ext = ffi._extension()

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from kernjax.models import attention_hopper
+from kernjax.kernels import attention_hopper
 
 from .test_attention_pallas import check, make_item, reference
 

@@ -3,8 +3,8 @@
 On the CPU the kernel runs in Pallas interpret mode on small shapes (small D and blocks, so that
 several q tiles and key blocks run); the lowering test checks that it lowers to a Triton call for
 an H200 without one. The `gpu` tests run the real kernel at Qwen3-4B shapes on a GPU only, and
-the same tests for the Mosaic GPU kernel (`models/attention_hopper.py`) and for FlashAttention-3
-through `kj_fa3` (`models/attention_fa3.py`, the bf16 route: it needs `scripts/fa3`'s library).
+the same tests for the Mosaic GPU kernel (`kernjax/kernels/attention_hopper.py`) and for FlashAttention-3
+through `kj_fa3` (`kernjax/kernels/attention_fa3.py`, the bf16 route: it needs `scripts/fa3`'s library).
 
 Every slot of every page that holds no key of a sequence's context is NaN (page 0 included), so a
 read past the context shows up as NaN in the output.
@@ -20,8 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernjax.models import attention_fa3, attention_hopper
-from kernjax.models.attention_pallas import chunk_attention
+from kernjax.kernels import attention_fa3
+from kernjax.kernels import attention_hopper
+from kernjax.kernels.attention_pallas import chunk_attention
 
 pytestmark = pytest.mark.filterwarnings("ignore:The Pallas Triton backend is deprecated")
 

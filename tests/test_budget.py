@@ -35,7 +35,7 @@ def test_size_budget():
     # (nineteenth session): a program run and waited for compiles without CUDA graphs; +5 on
     # 2026-12-02 (twentieth): only a program of 1024 rows or more (chunks of 512 keep them).
     # +130 on 2026-12-02 (twenty-first): the first token published to the host by the program
-    # itself (kernjax/tokens.py, `ffi.publish`, the runner's use), not handed over by PjRt's
+    # itself (kernjax/runtime/tokens.py, `ffi.publish`, the runner's use), not handed over by PjRt's
     # host callbacks (1.4-1.6 ms of every prefill on an H200); +10: its wrapper of a compiled
     # program (`tokens.Published`), which prefill.py had written again. +30 on 2026-12-02
     # (twenty-third): a GPU program as three CUDA graphs (`trace.graph_cuts`), so that the
@@ -50,7 +50,7 @@ def test_size_budget():
     # FlashAttention-3, a library built outside (scripts/fa3), with the gather of the pages into
     # contiguous keys it reads with TMA; csrc/fa3/glue.cu, compiled only against it, is not here.
     # +40 (2026-12-02): kj_mark publishes values with its number into a ring of entries, and
-    # wait_word waits on one with the GIL released (kernjax/tokens.py). Its slots by id
+    # wait_word waits on one with the GIL released (kernjax/runtime/tokens.py). Its slots by id
     # (bind_slot, 2026-12-02): no address in the HLO, so a restarted stage hits the cache.
     # +320 (2026-12-03, roadmap K14): csrc/dense.cu, a dense layer's small bf16 calls (q/k norms,
     # RoPE, the KV write, add + norm) as kernels of our own, one device code apart and fused.

@@ -38,12 +38,12 @@ def work(tmp_path_factory):
     t = tmp_path_factory.mktemp("cli")
     weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck", progress=False)
     weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck2", progress=False)
-    made = _all({"three": ["kernjax.cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
-                 "sw": ["kernjax.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL],
-                 "sw2": ["kernjax.cut", "--weights", "ck2", "--at", "2", "--out", "sw2", *SMALL],
-                 "s1": ["kernjax.cut", "--model", MODEL, "--seed", "1", "--at", "2", "--out",
+    made = _all({"three": ["kernjax.core.cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
+                 "sw": ["kernjax.core.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL],
+                 "sw2": ["kernjax.core.cut", "--weights", "ck2", "--at", "2", "--out", "sw2", *SMALL],
+                 "s1": ["kernjax.core.cut", "--model", MODEL, "--seed", "1", "--at", "2", "--out",
                         "s1", *SMALL]}, t)
-    made["two"] = _cli("kernjax.cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
+    made["two"] = _cli("kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
     for p in made.values():
         assert p.returncode == 0, p.stderr
     (t / "ck").rename(t / "moved")
@@ -93,14 +93,14 @@ def test_recut_replaces_the_previous_cut(work):
 HELP = {
     "kernjax": ["--model: the named model to cut (default: qwen3-tiny)",
                 "--chunk: rows per chunk (default: 64)", "--out"],
-    "kernjax.cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
+    "kernjax.core.cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
                     "--chunk: rows per run of the program (default: 512)", "(required)"],
-    "kernjax.run": ["--prompt", "--tokens", "--stages", "--model", "--weights", "--save"],
-    "kernjax.chain": ["--stages", "--prompts", "--chunk", "--weights"],
-    "kernjax.weights": ["python -m kernjax.weights random", "--model", "--out", "--seed"],
+    "kernjax.runtime.pipeline": ["--prompt", "--tokens", "--stages", "--model", "--weights", "--save"],
+    "kernjax.runtime.chain": ["--stages", "--prompts", "--chunk", "--weights"],
+    "kernjax.weights": ["kernjax weights random", "--model", "--out", "--seed"],
     "kernjax.serve": ["--stage_dir", "--model", "--weights", "--dtype", "--seed", "--port",
                       "--log_dir", "--log_file", "at least 64 and at most 4096"],
-    "kernjax.timeline": ["--png", "--first", "--last"],
+    "kernjax.serve.timeline": ["--png", "--first", "--last"],
 }
 
 
@@ -116,113 +116,113 @@ def test_help_lists_each_commands_own_flags(tmp_path):
 
 
 REFUSALS = {
-    "layers_out_of_order": (["kernjax.cut", "--model", MODEL, "--at", "2,1", "--out", "x"],
+    "layers_out_of_order": (["kernjax.core.cut", "--model", MODEL, "--at", "2,1", "--out", "x"],
                             "--at 2,1: layer 2 (call 26) and layer 1 (call 14) are not increasing"),
-    "at_zero": (["kernjax.cut", "--model", MODEL, "--at", "0", "--out", "x"],
+    "at_zero": (["kernjax.core.cut", "--model", MODEL, "--at", "0", "--out", "x"],
                 "--at 0: a cut before layer 0 leaves stage 0 without a layer; cut at a layer from "
                 "1 to 3"),
-    "foreign_out": (["kernjax.cut", "--model", MODEL, "--at", "2", "--out", "foreign"],
-                    "--out `foreign` holds config.json, which kernjax.cut did not write"),
-    "empty_tokens": (["kernjax.run", "--model", MODEL, "--tokens", ""], "the prompt is empty"),
-    "empty_prompt": (["kernjax.run", "--model", MODEL, "--prompt", ""], "the prompt is empty"),
-    "no_source": (["kernjax.run", "--tokens", "5"], "no model given: pass --stages DIR"),
+    "foreign_out": (["kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "foreign"],
+                    "--out `foreign` holds config.json, which kernjax cut did not write"),
+    "empty_tokens": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", ""], "the prompt is empty"),
+    "empty_prompt": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", ""], "the prompt is empty"),
+    "no_source": (["kernjax.runtime.pipeline", "--tokens", "5"], "no model given: pass --stages DIR"),
     "no_source_serve": (["kernjax.serve"], "no model given: pass --stage_dir DIR"),
-    "stages_too_low": (["kernjax.run", "--stages", "st/stage0", "--tokens", "5"],
+    "stages_too_low": (["kernjax.runtime.pipeline", "--stages", "st/stage0", "--tokens", "5"],
                        "`st/stage0` is one stage; --stages takes the cut directory that holds "
                        "it: `st`"),
-    "stages_too_high": (["kernjax.run", "--stages", ".", "--tokens", "5"],
+    "stages_too_high": (["kernjax.runtime.pipeline", "--stages", ".", "--tokens", "5"],
                         "`.` holds no stage0/ .. directories; it holds cuts: pass one of "
                         "`badman`, `mixed`, `oldjax`, `s1`, `st`, `sw`, `sw2`"),
-    "stages_missing": (["kernjax.run", "--stages", "nowhere", "--tokens", "5"],
+    "stages_missing": (["kernjax.runtime.pipeline", "--stages", "nowhere", "--tokens", "5"],
                        "--stages `nowhere` does not exist"),
-    "weights_missing": (["kernjax.run", "--weights", "nowhere", "--tokens", "5"],
+    "weights_missing": (["kernjax.runtime.pipeline", "--weights", "nowhere", "--tokens", "5"],
                         "nowhere` does not exist"),
     "stage_dir_too_high": (["kernjax.serve", "--stage_dir", "st"],
                            "`st` holds a cut, not one stage: name one of its stages, `st/stage0`"),
-    "prompts_missing": (["kernjax.chain", "--stages", "st", "--prompts", "nowhere"],
+    "prompts_missing": (["kernjax.runtime.chain", "--stages", "st", "--prompts", "nowhere"],
                         "--prompts `nowhere` does not exist"),
-    "checkpoint_gone": (["kernjax.run", "--stages", "sw", "--tokens", "5"],
+    "checkpoint_gone": (["kernjax.runtime.pipeline", "--stages", "sw", "--tokens", "5"],
                         "ck`, recorded by `sw/stage0` when it was cut, does not exist any more; "
                         "pass --weights"),
-    "other_model": (["kernjax.run", "--stages", "sw", "--weights", "other", "--tokens", "5"],
+    "other_model": (["kernjax.runtime.pipeline", "--stages", "sw", "--weights", "other", "--tokens", "5"],
                     "checkpoint `other` is another model than the stages were cut for: "
                     "intermediate 256 (the stages: 128)"),
     "wrong_verb": (["kernjax.weights", "randm", "--model", MODEL, "--out", "w"],
                    "the verb is random"),
     "no_verb": (["kernjax.weights", "--model", MODEL, "--out", "w"],
                 "error: the verb is random, every option is a --flag"),
-    "tokens_other_digits": (["kernjax.run", "--model", MODEL, "--tokens", "1 ١ 3"],
+    "tokens_other_digits": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "1 ١ 3"],
                             "--tokens `1 ١ 3`: `١` is not a token id; give token ids"),
-    "zero_chunk": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",
+    "zero_chunk": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",
                     "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
-    "slots_on_paged": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
+    "slots_on_paged": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
     # damaged inputs
-    "untied_without_head": (["kernjax.cut", "--weights", "untied", "--at", "2", "--out", "z"],
+    "untied_without_head": (["kernjax.core.cut", "--weights", "untied", "--at", "2", "--out", "z"],
                             "tensor `lm_head.weight` is missing from `"),
-    "cut_config_contradicts": (["kernjax.cut", "--weights", "other", "--at", "2", "--out", "z"],
+    "cut_config_contradicts": (["kernjax.core.cut", "--weights", "other", "--at", "2", "--out", "z"],
                                "tensor `model.layers.0.mlp.gate_proj.weight` has shape [128, 64]; "
                                "the model expects [256, 64]"),
-    "config_types": (["kernjax.run", "--weights", "badcfg", "--tokens", "1"],
+    "config_types": (["kernjax.runtime.pipeline", "--weights", "badcfg", "--tokens", "1"],
                      "config.json` gives hidden '64': sizes are integers"),
-    "safetensors_cut_short": (["kernjax.run", "--weights", "trunc", "--tokens", "1"],
+    "safetensors_cut_short": (["kernjax.runtime.pipeline", "--weights", "trunc", "--tokens", "1"],
                               "is not a safetensors file this reader can read"),
-    "tokenizer_broken": (["kernjax.run", "--weights", "badtok", "--prompt", "Hi"],
+    "tokenizer_broken": (["kernjax.runtime.pipeline", "--weights", "badtok", "--prompt", "Hi"],
                          "is not a tokenizer the tokenizers library reads"),
-    "manifest_field": (["kernjax.run", "--stages", "badman", "--tokens", "1"],
+    "manifest_field": (["kernjax.runtime.pipeline", "--stages", "badman", "--tokens", "1"],
                        "stage1/manifest.json` is malformed (KeyError: 'cut')"),
-    "manifest_jax": (["kernjax.run", "--stages", "oldjax", "--tokens", "1"],
+    "manifest_jax": (["kernjax.runtime.pipeline", "--stages", "oldjax", "--tokens", "1"],
                      "stage1` was exported by jax 0.0.1; this is jax"),
-    "chunk_huge": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+    "chunk_huge": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
                     "10000000000000"], "--chunk 10000000000000 must be at least 1 and below 2^31"),
-    "run_chunk_negative": (["kernjax.run", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
+    "run_chunk_negative": (["kernjax.runtime.pipeline", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
                            "-1 is not an integer in the range [1, 2147483647]"),
     # absl's own flag parsing: a missing, malformed or unknown flag
-    "flag_missing": (["kernjax.cut", "--model", MODEL], "--at is required; --out is required"),
-    "flag_malformed": (["kernjax.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+    "flag_missing": (["kernjax.core.cut", "--model", MODEL], "--at is required; --out is required"),
+    "flag_malformed": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
                         "abc"], "flag --chunk=abc: invalid literal"),
     "flag_unknown": (["kernjax.serve", "--model", MODEL, "--transprot", "ipc"],
                      "Unknown command line flag 'transprot'. Did you mean: transport"),
-    "flagfile_missing": (["kernjax.cut", "--flagfile=missing.flags", "--out", "x"],
+    "flagfile_missing": (["kernjax.core.cut", "--flagfile=missing.flags", "--out", "x"],
                          "error: Unable to open flagfile: [Errno 2] No such file"),
-    "flagfile_not_utf8": (["kernjax.run", "--flagfile=nonutf8.flags", "--model", MODEL],
+    "flagfile_not_utf8": (["kernjax.runtime.pipeline", "--flagfile=nonutf8.flags", "--model", MODEL],
                           "a --flagfile is not UTF-8 text (invalid start byte at byte 10)"),
-    "seed_negative": (["kernjax.cut", "--model", MODEL, "--seed", "-1", "--at", "2", "--out",
+    "seed_negative": (["kernjax.core.cut", "--model", MODEL, "--seed", "-1", "--at", "2", "--out",
                        "x"], "flag --seed=-1: -1 is not"),
-    "prompt_not_utf8": (["kernjax.run", "--model", MODEL, "--prompt", "ab\udcffcd"],
+    "prompt_not_utf8": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", "ab\udcffcd"],
                         "--prompt is not UTF-8 text (byte 2); pass UTF-8, or --tokens"),
-    "save_nowhere": (["kernjax.run", "--model", MODEL, "--tokens", "5", "--save", "no/dir/x"],
+    "save_nowhere": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "5", "--save", "no/dir/x"],
                      "--save no/dir/x: cannot write `no/dir/x.npz` (No such file or directory)"),
-    "stages_of_two_checkpoints": (["kernjax.run", "--stages", "mixed", "--tokens", "5"],
+    "stages_of_two_checkpoints": (["kernjax.runtime.pipeline", "--stages", "mixed", "--tokens", "5"],
                                   "`mixed/stage1` was cut from random qwen3-tiny (seed 1, "
                                   "bfloat16), `mixed/stage0` from random qwen3-tiny (seed 0, "
                                   "bfloat16) (or it changed in between): one pipeline runs one "
                                   "checkpoint"),
-    "chain_of_two_checkpoints": (["kernjax.chain", "--stages", "mixed", "--prompts", "one.txt"],
+    "chain_of_two_checkpoints": (["kernjax.runtime.chain", "--stages", "mixed", "--prompts", "one.txt"],
                                  "`mixed/stage1` was cut from random qwen3-tiny (seed 1"),
-    "checkpoint_changed": (["kernjax.run", "--stages", "sw2", "--tokens", "5"],
+    "checkpoint_changed": (["kernjax.runtime.pipeline", "--stages", "sw2", "--tokens", "5"],
                            "ck2` holds other tensors than when `sw2/stage0` was cut from it; "
                            "pass --weights"),
-    "auto_without_profile": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
+    "auto_without_profile": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
                              "--at auto needs --profile FILE"),
-    "auto_other_rows": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--out", "z",
+    "auto_other_rows": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--out", "z",
                          "--profile", "prof.json", "--chunk", "32"],
                         "times qwen3-tiny at 64 rows; this cut is qwen3-tiny at 32"),
 }
 WORKS = {
     # Even periods would cut at c19, between l1.kv_write and l1.attn, which splits kv.1: refused,
     # so the next best, c18.
-    "auto_two": (["kernjax.cut", "--model", MODEL, "--at", "auto", "--profile", "prof.json",
+    "auto_two": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--profile", "prof.json",
                   "--chunk", "64", "--context", "256", "--out", "auto"],
                  "--at auto: c18 (`l1.kv_write`); stage periods 32.000, 34.000 ms by the profile, "
                  "the longest 1.030 of even"),
-    "chain_one": (["kernjax.chain", "--stages", "st", "--prompts", "one.txt"],
+    "chain_one": (["kernjax.runtime.chain", "--stages", "st", "--prompts", "one.txt"],
                   "prompt 0: 1 token, 1 chunk: IDENTICAL\nPASS: 1 prompt bitwise identical"),
-    "text_on_random_weights": (["kernjax.run", "--model", MODEL, "--prompt", "Hello"],
+    "text_on_random_weights": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", "Hello"],
                                "prompt: 1 token; first token: "),
-    "save_adds_npz": (["kernjax.run", "--model", MODEL, "--tokens", "5", "--save", "last"],
+    "save_adds_npz": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "5", "--save", "last"],
                       "saved logits and token to last.npz"),
-    "moved_with_weights": (["kernjax.run", "--stages", "sw", "--weights", "moved", "--tokens",
+    "moved_with_weights": (["kernjax.runtime.pipeline", "--stages", "sw", "--weights", "moved", "--tokens",
                             "5 6"], "prompt: 2 tokens; first token: "),
 }
 
@@ -252,7 +252,7 @@ def test_ctrl_c_is_one_line_and_status_130(work):
     """Interrupted while it reads its prompts (a FIFO nobody writes), chain says one line."""
     t = work[0]
     os.mkfifo(t / "fifo")
-    p = subprocess.Popen([sys.executable, "-m", "kernjax.chain", "--stages", "st", "--prompts",
+    p = subprocess.Popen([sys.executable, "-m", "kernjax", "chain", "--stages", "st", "--prompts",
                           "fifo"], cwd=t, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while True:  # opening the write end succeeds once chain has opened the read end
@@ -301,7 +301,8 @@ def test_ctrl_c_ends_the_command_even_when_its_interrupt_is_swallowed(tmp_path):
 
 SWALLOWED_IN_CUT = """
 import sys, time
-from kernjax import cli, stage
+from kernjax import cli
+from kernjax import artifact as stage
 real = stage.write
 def write(path, st, **kw):
     real(path, st, **kw)
@@ -313,7 +314,7 @@ def write(path, st, **kw):
             except KeyboardInterrupt:
                 pass
 stage.write = write
-sys.argv = ["kernjax.cut", "--model", "qwen3-tiny", "--at", "2", "--out", "x", "--chunk", "16",
+sys.argv = ["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "2", "--out", "x", "--chunk", "16",
             "--context", "64"]
 cli.run(cli.cut_main)
 """
@@ -330,7 +331,7 @@ def test_a_cut_whose_interrupt_is_swallowed_still_removes_what_it_wrote(tmp_path
     assert p.returncode == 130 and err.endswith("removed what this cut had written to x\n"
                                                 "interrupted\n"), (p.returncode, out, err)
     assert not (tmp_path / "x").exists()  # it was new: it goes, not left empty
-    assert _cli("kernjax.cut", "--model", MODEL, "--at", "2", "--out", "x", *SMALL,
+    assert _cli("kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "x", *SMALL,
                 cwd=tmp_path).returncode == 0
 
 
@@ -339,9 +340,9 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
     """A stage whose export fails (as k3's did once on a GPU) or Ctrl-C: what the cut wrote
     goes, and cutting again into the same --out works."""
     from kernjax import cli
-    from kernjax import stage as artifacts
-    from kernjax.cut import cut, whole
-    from kernjax.item import item_shape
+    from kernjax import artifact as artifacts
+    from kernjax.core.cut import cut, whole
+    from kernjax.core.item import item_shape
     fam, cfg = models.named(MODEL)
     program = fam.program(cfg, dtype="float32", rows=16, context=64)
     stages = (*cut(program, [20]), whole(program))
@@ -381,7 +382,7 @@ def test_every_flag_the_docs_show_a_command_with_exists(tmp_path):
                 cmd = ("-m", m.group(1)) if m.group(1) else (os.path.join(root, m.group(2)),)
                 tail = re.match(r"[^`#|]*", line[m.end():]).group(0)
                 used.setdefault(cmd, set()).update(re.findall(r"[\s[]--(\w+)", tail))
-    assert {("-m", "kernjax.cut"), ("-m", "kernjax.serve")} <= set(used), used
+    assert {("-m", "kernjax", "cut"), ("-m", "kernjax", "serve")} <= set(used), used
     def help_of(cmd):
         return subprocess.run([sys.executable, *cmd, "--helpfull" if cmd[0] == "-m" else "--help"],
                               capture_output=True, text=True, cwd=tmp_path, timeout=300).stdout

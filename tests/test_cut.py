@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from jax import export
 
-from kernjax.cut import CutError, cut, describe, whole
-from kernjax.stage import export_stage
-from kernjax.trace import Slot, TraceError, as_function, call, graph_cuts, trace
+from kernjax.core.cut import CutError, cut, describe, whole
+from kernjax.artifact import export_stage
+from kernjax.core.trace import Slot, TraceError, as_function, call, graph_cuts, trace
 
 V = Slot("", "", "float32", (2,))
 
@@ -351,7 +351,7 @@ def test_balanced_points_minimize_the_longest_stage(ms, stages, banned):
     """`balanced` against brute force over every allowed set of points (`--at auto`)."""
     import itertools
 
-    from kernjax.cut import balanced
+    from kernjax.core.cut import balanced
     n = len(ms)
     allowed = [p for p in range(1, n) if p not in banned]
     combos = list(itertools.combinations(allowed, stages - 1))

@@ -1,4 +1,4 @@
-"""Roadmap K14: a dense layer's small calls as csrc/dense.cu's kernels (models/dense_cuda.py).
+"""Roadmap K14: a dense layer's small calls as csrc/dense.cu's kernels (kernjax/kernels/dense_cuda.py).
 
 On the CPU: where a program exported for CUDA runs them (one `kj_qk_rope` a layer, its calls
 apart where a cut falls among them, one `kj_add_norm` an add_norm call) and where XLA's lowerings
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from jax import export
 
-from kernjax.cut import cut, whole
-from kernjax.stage import UNSTABLE, export_stage
+from kernjax.core.cut import cut, whole
+from kernjax.artifact import UNSTABLE, export_stage
 from models import dense_cuda, qwen3
 from models.attention_hopper import abstract_h200
 
@@ -150,8 +150,8 @@ def test_add_norm_keeps_the_residual_bits_and_the_norm_within_a_step(rows):
 def test_a_run_sees_which_results_are_read_after_it_and_gives_only_those(monkeypatch):
     """`trace.on_gpu(..., rule=True)`: the rule gets each result's fate; its function takes the
     run's outside arguments once each and gives the read results, which replace the calls'."""
-    from kernjax import trace
-    from kernjax.trace import Slot, call
+    from kernjax.core import trace
+    from kernjax.core.trace import Slot, call
 
     seen = []
 
@@ -180,8 +180,8 @@ def test_a_single_call_rule_gives_all_its_results_even_where_only_a_later_one_is
     """A one-call rule's function returns all of its call's results; where only the second is
     read after it, that one must get the second value (it once got the first: the results were
     matched to the read ones by position). The GPU program, run here on the CPU."""
-    from kernjax import trace
-    from kernjax.trace import Slot, call
+    from kernjax.core import trace
+    from kernjax.core.trace import Slot, call
 
     monkeypatch.setitem(trace._ON_GPU, ("td",), (
         lambda eqns, exposed: lambda v: (jnp.full_like(v, 7.0), jnp.full_like(v, 5.0)), True))

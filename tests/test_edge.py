@@ -1,4 +1,4 @@
-"""The edge ops in stage programs (kernjax/edge.py, csrc/edge.*) on the CPU.
+"""The edge ops in stage programs (kernjax/runtime/edge.py, csrc/edge.*) on the CPU.
 
 A cut's stages get a second program that holds, receives, pushes and posts at its edges. Here the
 stages of qwen3-tiny cut into 2 and 3 stages run those programs over shared-memory edges, and:
@@ -19,12 +19,14 @@ import jax
 import numpy as np
 import pytest
 
-from kernjax import edge, ffi, models
-from kernjax import stage as artifacts
+from kernjax import models
+from kernjax.runtime import edge
+from kernjax.kernels import ffi
+from kernjax import artifact as artifacts
 from kernjax.cli import model_meta
-from kernjax.cut import cut, whole
-from kernjax.item import Piece, chunks, item_shape, make_item
-from kernjax.runner import Runner, checkpoint_dir, load_weights
+from kernjax.core.cut import cut, whole
+from kernjax.core.item import Piece, chunks, item_shape, make_item
+from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 
 pytestmark = pytest.mark.skipif(not ffi.available(), reason="kernjax._ffi is not built")
 
@@ -165,7 +167,7 @@ def test_unbound_edges_and_wrong_sizes_are_refused():
     tok = np.zeros(1, np.int32)
     with pytest.raises(Exception, match="edge 7 is not bound in this process"):
         jax.block_until_ready(jax.jit(lambda t: ffi.hold(t, t, edge=7, word=0))(tok))
-    from kernjax.trace import Slot
+    from kernjax.core.trace import Slot
 
     e = edge.SharedEdge(edge.Layout.of([Slot("x", "departure", "float32", (4,))], 2))
     e.bind(5)

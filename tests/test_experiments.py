@@ -86,7 +86,7 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
         assert 0 < details[key]["issue_ms"] <= max(details[key]["times_ms"]), details[key]
     # the host's events on the device's clock, beside the kernels
     assert prof["host"]["gpu_end_ms"] > 0 and prof["host"]["events"] > 0, prof["host"]
-    # the token published by the program itself (kernjax.tokens), after all its work
+    # the token published by the program itself (kernjax.runtime.tokens), after all its work
     assert data["publish"] is True
     assert prof["last_kernels"][-1].startswith("kj_mark"), prof["last_kernels"]
 
@@ -292,7 +292,7 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
                 "tp=", "throughput="),
             run("unpacked", [("whole", 16, 0, 900.0), ("2 stages", 16, 0, 1700.0)]),
             run("one_slot", [("whole", 16, 0, 1000.0), ("2 stages", 16, 0, 1600.0)], slots=1)]
-    # the pipeline's item period at concurrency 16 (kernjax.timeline's report): stage 1, 40 ms
+    # the pipeline's item period at concurrency 16 (kernjax timeline's report): stage 1, 40 ms
     (tmp_path / "tp" / "timeline-c16.txt").write_text(
         "2 stages, items 8..40, times in ms\n"
         "stage  items  period p50    p90  held p50    p90  wait p50    p90  wait share  idle share\n"
@@ -512,7 +512,7 @@ def test_same_kernel_sees_through_moved_lines_and_not_through_a_changed_kernel(t
 
 
 def test_same_kernel_compares_the_mlp_kernels_and_sees_another_epilogue(tmp_path, monkeypatch):
-    """experiments/same_kernel.py on models/mlp_hopper.py: its three kernels, lowered as the
+    """experiments/same_kernel.py on kernjax/kernels/mlp_hopper.py: its three kernels, lowered as the
     model's calls lower them, twice (the source moved down, and in one process after other
     lowerings) are the same modules; another epilogue changes the two that run silu·mul and not
     the GEMM that writes gate and up."""

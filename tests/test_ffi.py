@@ -1,4 +1,4 @@
-"""Tests for kernjax.ffi: the extension, its registration, and the `mark` op."""
+"""Tests for kernjax.kernels.ffi: the extension, its registration, and the `mark` op."""
 
 import ctypes
 import time
@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from kernjax import ffi
+from kernjax.kernels import ffi
 
 DTYPES = [np.float32, ml_dtypes.bfloat16]
 SHAPES = [(), (1,), (7,), (3, 5), (2, 3, 4), (0, 4)]
@@ -132,7 +132,7 @@ def test_mark_writes_seq_to_host_slot():
 
 def test_mark_publishes_values_into_entry_seq_mod_ring():
     """seq = [run, values...]: the values land in entry run mod ring (64-byte lines), run last;
-    the other entries stay as they were (kernjax.tokens publishes the first token so)."""
+    the other entries stay as they were (kernjax.runtime.tokens publishes the first token so)."""
     ring, words = 4, 16  # 1 + 5 int32 round up to one 64-byte line
     slot = np.zeros((ring, words), np.int32)
 
@@ -326,10 +326,10 @@ def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
 
     if not ffi.available():
         pytest.skip("the extension is not built")
-    subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "qwen3-tiny", "--at", "2",
+    subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "qwen3-tiny", "--at", "2",
                     "--out", str(tmp_path / "cut")], check=True, capture_output=True)
     probe = ("import sys; from kernjax import stage; stage.read(sys.argv[1]); "
-             "f = sys.modules['kernjax.ffi']; print(f._registered)")
+             "f = sys.modules['kernjax.kernels.ffi']; print(f._registered)")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cut" / "stage1")],
                          check=True, capture_output=True, text=True).stdout
     assert out.strip() == "True"

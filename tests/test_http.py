@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
 from kernjax import cli, models
-from kernjax.runner import Runner, checkpoint_dir, load_weights
+from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 from kernjax.serve.head import Head
 from kernjax.serve.http import BYTES_PER_TOKEN, Metrics, make_app
 from tests.conftest import add_tokenizer

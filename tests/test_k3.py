@@ -15,14 +15,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernjax import derive, models, staging
-from kernjax import stage as artifacts
-from kernjax.chain import chain
+from kernjax import models
+from kernjax.runtime import derive
+from kernjax.core import staging
+from kernjax import artifact as artifacts
+from kernjax.runtime.chain import chain
 from kernjax.cli import model_meta
-from kernjax.cut import cut, whole
-from kernjax.item import Piece, item_shape, make_item
-from kernjax.run import Pipeline
-from kernjax.runner import Runner, checkpoint_dir, load_weights
+from kernjax.core.cut import cut, whole
+from kernjax.core.item import Piece, item_shape, make_item
+from kernjax.runtime.pipeline import Pipeline
+from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 from kernjax.weights import load
 from models import kda, mxfp4
 from tests.conftest import prompts
@@ -239,7 +241,7 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     from tests.test_serve import _complete, _metric, _tokens
 
     out = tmp_path / "cut"
-    p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "k3-mini", "--at", "2",
+    p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "k3-mini", "--at", "2",
                         "--chunk", "32", "--seqs", "4", "--context", "512", "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -266,7 +268,7 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
 def test_a_stage_derives_only_what_its_calls_read(tmp_path):
     """Cut at layer 2: stage 0 (MoE layer 1) derives layer 1's two GEMM layouts, stage 1 (MoE
     layers 2 and 3) the other four, and neither reads the other's MXFP4 sources."""
-    from kernjax import runner as runner_mod
+    from kernjax.runtime import runner as runner_mod
 
     program = FAM.program(CFG, dtype=CFG.dtype, rows=64, context=256)
     meta = dict(model=model_meta(FAM, CFG), checkpoint=REF, dtype=CFG.dtype,

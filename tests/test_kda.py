@@ -1,4 +1,4 @@
-"""KDA (`models/kda.py`): the recurrent reference against a hand computation and a per-sequence
+"""KDA (`kernjax/kernels/kda.py`): the recurrent reference against a hand computation and a per-sequence
 float64 oracle, the chunked form against the reference by fla's rule (models.md §2.5), padding rows
 that change nothing, and a sequence giving the same result alone and packed with others."""
 
@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from kernjax.models import kda
+from kernjax.kernels import kda
 
 naive = jax.jit(kda.naive)
 chunked = jax.jit(kda.chunked, static_argnames="chunk")

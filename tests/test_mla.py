@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kernjax.item import Piece, Shape, make_item
+from kernjax.core.item import Piece, Shape, make_item
 from kernjax.models import mla
 from tests.test_attention import lease
 

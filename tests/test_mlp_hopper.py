@@ -1,5 +1,5 @@
 """Roadmap K13 on the CPU: where `gate_up` and `silu_mul` run as one Mosaic GPU kernel on a GPU
-(`models/mlp_hopper.py`, registered with `kernjax.trace.on_gpu`), and where they stay apart.
+(`kernjax/kernels/mlp_hopper.py`, registered with `kernjax.core.trace.on_gpu`), and where they stay apart.
 
 Exporting for CUDA needs no GPU, only an abstract H200 for the Pallas kernels. That the fused
 kernel gives the bits of the pair apart is checked on the GPU (`experiments/fused_mlp.py`, the
@@ -15,9 +15,9 @@ import pytest
 
 from jax import export
 
-from kernjax import trace
-from kernjax.cut import cut, whole
-from kernjax.stage import UNSTABLE, export_stage
+from kernjax.core import trace
+from kernjax.core.cut import cut, whole
+from kernjax.artifact import UNSTABLE, export_stage
 from models import mlp_hopper, qwen3
 from models.attention_hopper import abstract_h200
 

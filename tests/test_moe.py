@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from kernjax.models import moe as M
-from kernjax.models import mxfp4 as q
+from kernjax.kernels import mxfp4 as q
 
 H, I, E, K, IS, SCALE = 64, 32, 8, 2, 32, 2.446
 

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from kernjax.models import mxfp4 as q
+from kernjax.kernels import mxfp4 as q
 
 GRID = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
 
@@ -220,7 +220,7 @@ def test_the_ffi_shuffle_is_the_reference_bitwise(gated, dims):
     """csrc/mxfp4_shuffle.{cc,cu} (the CPU handler here, the CUDA one on a GPU) against
     `mxfp4.shuffle`: random bytes (any code, NaN scales included), rows and blocks that need
     padding, batched experts."""
-    from kernjax import ffi
+    from kernjax.kernels import ffi
     e, m, k = dims
     rng = np.random.default_rng(m + k)
     packed = rng.integers(0, 256, (e, m, k // 2), dtype=np.uint8)
@@ -232,7 +232,7 @@ def test_the_ffi_shuffle_is_the_reference_bitwise(gated, dims):
 
 
 def test_the_ffi_shuffle_refuses_bad_shapes():
-    from kernjax import ffi
+    from kernjax.kernels import ffi
     with pytest.raises(ValueError, match="multiple of 64"):
         ffi.mxfp4_shuffle(np.zeros((96, 16), np.uint8), np.zeros((96, 1), np.uint8), gated=True)
     with pytest.raises(ValueError, match="do not match"):

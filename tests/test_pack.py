@@ -12,7 +12,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kernjax.serve.pack import Waiting, admissible, full, pack
+from kernjax.core.pack import Waiting, admissible, full, pack
 
 B = dict(rows=8, seqs=3, context=20)
 

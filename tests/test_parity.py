@@ -23,14 +23,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kernjax import derive, models
-from kernjax import stage as artifacts
+from kernjax import models
+from kernjax.runtime import derive
+from kernjax import artifact as artifacts
 from kernjax import weights
 from kernjax.cli import model_meta
-from kernjax.cut import whole
-from kernjax.item import item_shape
-from kernjax.run import Pipeline
-from kernjax.runner import Runner, load_weights
+from kernjax.core.cut import whole
+from kernjax.core.item import item_shape
+from kernjax.runtime.pipeline import Pipeline
+from kernjax.runtime.runner import Runner, load_weights
 
 GOLDENS = Path(__file__).parent / "goldens" / "qwen3_tiny_f32_hf.npz"
 MODEL, SEED, DTYPE = "qwen3-tiny", 0, "float32"

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from kernjax.pool import Lease, Pool
+from kernjax.core.pool import Lease, Pool
 
 SETTINGS = settings(derandomize=True, database=None, deadline=None, max_examples=300)
 

@@ -1,7 +1,7 @@
 """The whole program and a cut's stages compiled in separate processes, two of them at once with an
 empty XLA cache, give the same bytes. On a GPU each process could time its own GEMM candidates and
 pick, and round, differently (on an H200 with jax 0.11.2 two processes did, `experiments/
-autotune.py`); kernjax has XLA take each GEMM's first candidate untimed (`kernjax/xla.py`), and the
+autotune.py`); kernjax has XLA take each GEMM's first candidate untimed (`kernjax/runtime/xla.py`), and the
 test reads the algorithms both processes chose from their optimized programs. On the CPU: the same
 path, nothing to choose."""
 
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from kernjax import weights as ckpts
-from kernjax import xla
+from kernjax.runtime import xla
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
 import autotune  # noqa: E402  (its reader of the GEMMs in XLA's optimized HLO)
@@ -32,7 +32,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     env = {**os.environ, "KERNJAX_XLA_CACHE": str(tmp_path / "xla"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     py = [sys.executable, "-m"]
-    subprocess.run([*py, "kernjax.cut", "--model", model, "--dtype", "bfloat16", "--at", at,
+    subprocess.run([*py, "kernjax.core.cut", "--model", model, "--dtype", "bfloat16", "--at", at,
                     "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
                     "--out", str(tmp_path / "cut")], env=env, check=True, capture_output=True)
     (tmp_path / "w").mkdir()
@@ -41,7 +41,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
 
     def start(stages, save):  # on a GPU each program's optimized HLO dumped, to read
         dump = f" --xla_dump_to={tmp_path}/dump-{stages} --xla_dump_hlo_as_text" if gpu else ""
-        return subprocess.Popen([*py, "kernjax.run", "--stages", str(tmp_path / stages), "--tokens",
+        return subprocess.Popen([*py, "kernjax.runtime.pipeline", "--stages", str(tmp_path / stages), "--tokens",
                                  tokens, "--chunk", str(chunk), "--save", str(tmp_path / save)],
                                 env={**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + dump},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -15,7 +15,7 @@ import pytest
 from kernjax.serve.protocol import (PREFIX, Closed, Conn, ProtocolError, decode, encode,
                                     handshakes, parse_address)
 from kernjax.serve.transport import HostTransport
-from kernjax.trace import Slot
+from kernjax.core.trace import Slot
 
 
 def _decode(frame: bytes, limit=1 << 20):

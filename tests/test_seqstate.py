@@ -1,4 +1,4 @@
-"""Per-sequence state slots (`models/seqstate.py`, `seq_slots` in `kernjax/item.py`).
+"""Per-sequence state slots (`models/seqstate.py`, `seq_slots` in `kernjax/core/item.py`).
 
 A small program of calls carries two per-sequence states (a running sum per sequence, the shape
 of a recurrent state or a conv tail) across chunks. Checked: against a numpy model of what each
@@ -14,10 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax.cut import cut, whole
-from kernjax.item import Piece, item_shape, make_item
-from kernjax.stage import export_stage
-from kernjax.trace import Slot, call, trace
+from kernjax.core.cut import cut, whole
+from kernjax.core.item import Piece, item_shape, make_item
+from kernjax.artifact import export_stage
+from kernjax.core.trace import Slot, call, trace
 from models import seqstate
 
 ROWS, SEQS, SLOTS, D, V = 16, 3, 5, 4, 32

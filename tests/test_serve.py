@@ -37,7 +37,7 @@ class Proc:
     def __init__(self, args, log: Path, gpu: int | None = None):
         self.log = log
         env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-        self.p = subprocess.Popen([sys.executable, "-m", "kernjax.serve", *args],
+        self.p = subprocess.Popen([sys.executable, "-m", "kernjax", "serve", *args],
                                   stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
     def text(self) -> str:
@@ -99,7 +99,7 @@ class Pipeline:
 
 
 def _cut(out: Path, at: str) -> Path:
-    p = subprocess.run([sys.executable, "-m", "kernjax.cut", "--model", "qwen3-tiny", "--at", at,
+    p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "qwen3-tiny", "--at", at,
                         "--chunk", "32", "--seqs", "4", "--context", str(CONTEXT), "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
@@ -220,7 +220,7 @@ def test_models_and_health(servers):
 
 
 def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_path):
-    """Stages that move activations in their programs (`--transport shm`, kernjax/edge.py), one
+    """Stages that move activations in their programs (`--transport shm`, kernjax/runtime/edge.py), one
     slot per edge in the 3-stage pipeline: the single-process server's tokens, one request at a
     time and 16 at once; the transport is in /metrics and in every stage's startup line."""
     prompts = _prompts()
@@ -269,7 +269,7 @@ def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path
     """Another seed of the same model: every shape agrees, every byte differs; a pipeline of the
     two would answer with neither model's tokens, so the head refuses the stage, naming both."""
     other = tmp_path / "other"
-    p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model", "qwen3-tiny",
+    p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model", "qwen3-tiny",
                         "--seed", "1", "--out", str(other)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     port, pp = _port(), _port()
@@ -290,7 +290,7 @@ def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path
 def test_a_checkpoint_changed_after_the_head_loaded_it_is_refused(cuts, tmp_path):
     """Head and stage name one directory, but its tensors changed in between: restart them all."""
     def random(seed, out):
-        p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model",
+        p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model",
                             "qwen3-tiny", "--seed", str(seed), "--out", str(out)],
                            capture_output=True, text=True)
         assert p.returncode == 0, p.stderr
@@ -471,7 +471,7 @@ def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path):
 
 def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
     ckpt = tmp_path / "ckpt"
-    p = subprocess.run([sys.executable, "-m", "kernjax.weights", "random", "--model", "qwen3-tiny",
+    p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model", "qwen3-tiny",
                         "--out", str(ckpt)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     add_tokenizer(ckpt, CFG.vocab)
@@ -552,7 +552,7 @@ def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
 
 @pytest.mark.parametrize("user", ["", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"])
 def test_serving_pins_the_temporaries_before_jax_makes_its_backend(user):
-    """`kernjax.serve` asks XLA for CUDA graphs whose temporaries stay put (kernjax/xla.py)
+    """`kernjax.serve` asks XLA for CUDA graphs whose temporaries stay put (kernjax/runtime/xla.py)
     before any backend exists, so the flag takes; a mode the user set is left alone."""
     code = ("from jax._src import xla_bridge as xb\nimport kernjax.serve.__main__\nimport os\n"
             "print(xb.backends_are_initialized(), os.environ['XLA_FLAGS'])")
@@ -567,7 +567,7 @@ def test_programs_of_many_rows_compile_without_cuda_graphs_on_a_gpu(monkeypatch)
     serving's mode or the user's graph flag in XLA_FLAGS keep XLA's graphs; nothing on the CPU.
     The options compile (XLA knows them)."""
     import jax
-    from kernjax import xla
+    from kernjax.runtime import xla
     off, big, small = {"xla_gpu_enable_command_buffer": ""}, xla.GRAPHS_BELOW_ROWS, 512
     assert small < big <= 2048  # chunks of 512 keep graphs; 2048 and one 8k chunk do not
     lowered = jax.jit(lambda x: x * 2).lower(jax.ShapeDtypeStruct((3,), "float32"))

@@ -1,4 +1,4 @@
-"""The serving processes' edges, through the real `python -m kernjax.serve` on loopback: careless
+"""The serving processes' edges, through the real `kernjax serve` on loopback: careless
 flags, a taken HTTP port, Ctrl-C, logs with timestamps, /health while stages join, and the stage
 links against hostile peers (malformed frames, silent connections, a joined stage that sends a
 malformed frame, a stranger at a stage's predecessor port)."""
@@ -30,7 +30,7 @@ def cut(tmp_path_factory):
 
 
 def _serve(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kernjax.serve", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "kernjax", "serve", *args], capture_output=True,
                           text=True, timeout=60)
 
 
@@ -150,7 +150,7 @@ def test_the_head_waits_through_junk_and_logs_with_timestamps(cut, tmp_path):
             lines = [ln for ln in f.read_text().splitlines() if " pp item " in ln]
             assert len(lines) == 3 and all(re.match(STAMP + "pp item", ln) for ln in lines), lines
         assert "pp item" not in head.text()  # with a log file, the console skips them
-        p = subprocess.run([sys.executable, "-m", "kernjax.timeline", *map(str, files),
+        p = subprocess.run([sys.executable, "-m", "kernjax", "timeline", *map(str, files),
                             "--first", "0"], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "idle share" in p.stdout and "items 0..2" in p.stdout, p
         _clean(head.text() + stage.text())
@@ -191,9 +191,9 @@ class FakeStage:
     """The last stage of a 2-stage cut as a test drives it: joins the head, takes the head's link."""
 
     def __init__(self, cut, pp: int, named: bool = True):
-        from kernjax import stage as artifacts
-        from kernjax.runner import checkpoint_dir
-        from kernjax.serve.stage import _slots
+        from kernjax import artifact as artifacts
+        from kernjax.runtime.runner import checkpoint_dir
+        from kernjax.serve.stage_host import _slots
         from kernjax.weights import fingerprint
         art = artifacts.read(cut / "stage1")
         ckpt = checkpoint_dir(art.manifest["checkpoint"])

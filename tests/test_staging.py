@@ -17,7 +17,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kernjax.staging import Window, layout, peak_live, windows
+from kernjax.core.staging import Window, layout, peak_live, windows
 
 ALIGN = 256
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kernjax.timeline import gantt, parse, png, report
+from kernjax.serve.timeline import gantt, parse, png, report
 
 T0 = 1_760_000_000_000_000  # a wall-clock time in µs
 
@@ -152,7 +152,7 @@ def test_command_line(tmp_path):
     logs = [tmp_path / "stage0.log", tmp_path / "stage1.log"]
     for s, log in enumerate(logs):  # one log per stage process
         log.write_text("\n".join(ln for ln in _log([10, 5], 8, noise=True) if f"stage={s} " in ln))
-    cmd = [sys.executable, "-m", "kernjax.timeline", *map(str, logs), "--width", "40",
+    cmd = [sys.executable, "-m", "kernjax", "timeline", *map(str, logs), "--width", "40",
            "--png", str(tmp_path / "t.png")]
     ok = subprocess.run(cmd, capture_output=True, text=True)
     assert ok.returncode == 0, ok.stderr
@@ -178,7 +178,7 @@ def test_lines_that_mention_pp_item_and_do_not_parse_are_said(capsys):
 def test_command_line_bounds(tmp_path):
     log = tmp_path / "stage0.log"
     log.write_text("\n".join(_log([10], 8)))
-    cmd = [sys.executable, "-m", "kernjax.timeline", str(log)]
+    cmd = [sys.executable, "-m", "kernjax", "timeline", str(log)]
     for extra, words in ((["--first", "5", "--last", "2"], "--last 2 is before --first 5"),
                          (["--first", "-1"], "flag --first=-1: -1 is not"),
                          (["--width", "100000000"], "flag --width=100000000")):

@@ -253,7 +253,7 @@ def test_read_config_without_config_json_is_a_clear_error(tmp_path):
 
 def _shell(*args, cwd):
     env = {**os.environ, "KERNJAX_CACHE": str(cwd / "cache")}
-    return subprocess.run([sys.executable, "-m", "kernjax.weights", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "kernjax", "weights", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 

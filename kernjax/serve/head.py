@@ -38,15 +38,16 @@ from collections import deque
 
 import numpy as np
 
-from kernjax.item import Piece, make_item
-from kernjax.pool import Pool
-from kernjax.runner import Runner
-from kernjax.serve.pack import Waiting, admissible, full, pack
+from kernjax.core import lowering
+from kernjax.core.item import Piece, make_item
+from kernjax.core.pool import Pool
+from kernjax.runtime.runner import Runner
+from kernjax.core.pack import Waiting, admissible, full, pack
 from kernjax.serve.protocol import (MAX_FRAME, PING_MIN, Closed, Conn, ProtocolError, connect,
                                     handshakes, parse_address)
-from kernjax import edge
+from kernjax.runtime import edge
 from kernjax.serve.transport import HostTransport
-from kernjax.timeline import log_item
+from kernjax.serve.timeline import log_item
 
 # The most bytes the head reads of a connection's first frame before it has joined (a Hello is
 # about 1 KB): pending connections cannot make the head hold --max_frame each.
@@ -221,9 +222,12 @@ class Head:
 
     def _refuse(self, hello: dict, hellos: dict) -> str | None:
         s = hello.get("stage")
+        if isinstance(hello.get("lowering"), dict) and (why := lowering.refusal(
+                f"stage {s}", hello["lowering"], "the head (stage 0)", self.art.lowering)):
+            return why
         if hello.get("cut") != self.art.cut_id:
             return (f"stage {s} belongs to cut `{hello.get('cut')}`; the head serves cut "
-                    f"`{self.art.cut_id}`: start every stage from one `kernjax.cut --out`")
+                    f"`{self.art.cut_id}`: start every stage from one `kernjax cut --out`")
         if type(s) is not int or not 1 <= s < self.stages or hello.get("stages") != self.stages:
             return (f"a Hello from stage {s!r} of {hello.get('stages')!r} stages; this cut has "
                     f"stages 0..{self.stages - 1}")

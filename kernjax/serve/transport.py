@@ -7,14 +7,14 @@ both ends.
 - `host`: `HostTransport` sends the bytes over the stage-to-stage TCP connection, so it works on
   the CPU, across hosts and, as a fallback, between GPUs (device to host to device). The host
   thread waits for each item's departures before it sends them.
-- `shm`: the stages run their programs with edge ops (`kernjax.edge`): stage s+1 creates its
+- `shm`: the stages run their programs with edge ops (`kernjax.runtime.edge`): stage s+1 creates its
   arrivals' edge in shared memory (a ring of `--edge_slots` slots) and names it in its Hello; the
   head hands the name to stage s in its Table; stage s's program pushes into it and posts, stage
   s+1's program holds until the item is in. No host thread waits for a device or relays a byte.
   Stages of one host only; on a GPU the words and slots are pinned host memory.
 - `nccl` (GPUs of any hosts): the programs' push and receive are NCCL sends and receives on
   the stages' streams, through a two-rank communicator per edge whose unique id stage s+1 makes
-  and names in its Hello (`kernjax.edge.NcclEdge`; NCCL's own flow control stands in for the
+  and names in its Hello (`kernjax.runtime.edge.NcclEdge`; NCCL's own flow control stands in for the
   slots).
 - `ipc` (GPUs of one host): as `shm`, but stage s+1's slots are device memory of its GPU,
   allocated outside JAX, whose CUDA IPC handle travels in its Hello; stage s's program writes
@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kernjax.serve.protocol import Conn, ProtocolError
-from kernjax.trace import Slot
+from kernjax.core.trace import Slot
 
 
 class HostTransport:

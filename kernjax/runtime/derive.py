@@ -23,17 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax import staging
-
-
-@dataclasses.dataclass(frozen=True)
-class Recipe:
-    """One derive call: `fn(*sources)` returns the arrays `outputs` (each `(name, shape,
-    dtype)`), reading the checkpoint tensors `sources` (each `(name, shape, dtype)`)."""
-
-    outputs: tuple[tuple[str, tuple[int, ...], str], ...]
-    sources: tuple[tuple[str, tuple[int, ...], str], ...]
-    fn: Callable
+from kernjax.core import staging
+from kernjax.core.staging import Recipe  # noqa: F401  (derive programs are lists of them)
 
 
 @dataclasses.dataclass(frozen=True)

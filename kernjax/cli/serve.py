@@ -1,8 +1,8 @@
-"""`python -m kernjax.serve`: one stage of a pipeline, or the whole program, behind HTTP.
+"""`kernjax serve`: one stage of a pipeline, or the whole program, behind HTTP.
 
-    python -m kernjax.serve --stage_dir stages/stage0 --pp_listen 127.0.0.1:7000 --port 8000
-    python -m kernjax.serve --stage_dir stages/stage1 --pp_head 127.0.0.1:7000
-    python -m kernjax.serve --stage_dir stages/whole --port 8000      # or --model / --weights
+    kernjax serve --stage_dir stages/stage0 --pp_listen 127.0.0.1:7000 --port 8000
+    kernjax serve --stage_dir stages/stage1 --pp_head 127.0.0.1:7000
+    kernjax serve --stage_dir stages/whole --port 8000      # or --model / --weights
 
 Stage 0 is the head (HTTP, scheduler, page pool); other stages join it. The head binds its HTTP
 port once it has loaded its stage, before compiling it (a taken port is an error at once), answers /health with a 503
@@ -28,8 +28,9 @@ from pathlib import Path
 
 from absl import flags, logging
 
-from kernjax import cli, xla
-from kernjax.edge import TRANSPORTS
+from kernjax.cli import sources
+from kernjax.runtime import xla
+from kernjax.runtime.edge import TRANSPORTS
 
 xla.serving()  # before jax makes its backend
 
@@ -113,7 +114,7 @@ def _edges() -> None:
     if FLAGS.transport != "host":
         import jax
 
-        from kernjax import edge
+        from kernjax.runtime import edge
 
         if FLAGS.transport in ("ipc", "nccl") and jax.default_backend() != "gpu":
             raise ValueError(f"--transport {FLAGS.transport} moves activations between GPUs; this "
@@ -179,9 +180,9 @@ def _start_http(app, sock: socket.socket) -> None:
     threading.Thread(target=loop.run_forever, name="http", daemon=True).start()
 
 
-def serve_main():
-    cli.source_flags()
-    flags.DEFINE_string("stage_dir", None, "a stage directory made by `kernjax.cut` (or whole/)")
+def main_def():
+    sources.source_flags()
+    flags.DEFINE_string("stage_dir", None, "a stage directory made by `kernjax cut` (or whole/)")
     flags.DEFINE_string("pp_listen", None, "head: where the other stages join (HOST:PORT)")
     flags.DEFINE_string("pp_head", None, "a stage past 0: the head's --pp_listen address")
     flags.DEFINE_string("host", "127.0.0.1", "HTTP and stage-link address to bind")
@@ -194,7 +195,7 @@ def serve_main():
     flags.DEFINE_enum("transport", "host", list(TRANSPORTS), "how activations go "
                       "from stage to stage: `host` over the stage links (any hosts), `shm` by the "
                       "stages' programs through shared memory (stages of one host; "
-                      "kernjax/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC), "
+                      "kernjax/runtime/edge.py), `ipc` the same into the next GPU's memory (CUDA IPC), "
                       "`nccl` by NCCL send/receive in the programs (GPUs of any hosts); every "
                       "stage of a pipeline gives the same")
     flags.DEFINE_integer("edge_slots", 2, "items an edge holds (every transport but host), so "
@@ -222,21 +223,22 @@ def serve_main():
         _check_flags()
         _log_to()
         _edges()
-        from kernjax.runner import Runner, checkpoint_dir, load_weights, open_stage
+        from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights, open_stage
         from kernjax.serve.head import Head
         from kernjax.serve.http import Metrics, make_app
-        from kernjax.serve.stage import serve_stage
+        from kernjax import artifact, weights
+        from kernjax.serve.stage_host import serve_stage
         if FLAGS.stage_dir:
             if FLAGS.model:
                 raise ValueError("--stage_dir names the model already; drop --model")
-            from kernjax.stage import read
+            from kernjax.artifact import read
             ckpt = Path(FLAGS.weights) if FLAGS.weights else checkpoint_dir(
                 read(FLAGS.stage_dir).manifest["checkpoint"], FLAGS.stage_dir)  # found once
             runner = open_stage(FLAGS.stage_dir, weights=ckpt, dtype=FLAGS.dtype)
         else:
-            fam, cfg, ref, dtype = cli.source()
+            fam, cfg, ref, dtype = sources.source()
             with tempfile.TemporaryDirectory() as tmp:
-                art = cli.whole_artifact(fam, cfg, ref, dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
+                art = artifact.whole_artifact(fam, cfg, ref, dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
                                          context=FLAGS.context, out=Path(tmp) / "whole")
             ckpt = checkpoint_dir(ref)
             runner = Runner(art, load_weights(art, ckpt))
@@ -265,11 +267,11 @@ def serve_main():
                     edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
-                       tokenizer=cli.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
+                       tokenizer=weights.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
                        api_key=FLAGS.api_key, max_connections=FLAGS.max_connections,
                        body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts)
         url = f"http://{FLAGS.host}:{FLAGS.port}"
-        from kernjax.serve.stage import memory_line
+        from kernjax.serve.stage_host import memory_line
         print(f"head: {memory_line(runner.memory())}", file=sys.stderr)
         _start_http(app, http)
         if art.stages > 1:
@@ -282,6 +284,3 @@ def serve_main():
 
     return main
 
-
-if __name__ == "__main__":
-    cli.run(serve_main)

@@ -42,8 +42,8 @@ import numpy as np
 # through an edge's memory of each kind above.
 TRANSPORTS = ("host", "shm", "ipc", "nccl")
 
-from kernjax import ffi
-from kernjax.trace import Slot
+from kernjax.kernels import ffi
+from kernjax.core.trace import Slot
 
 # A segment's creator leaves it to Python's resource tracker (a child process, started with these
 # options) to remove if it ends first (Ctrl-C, a kill), without the tracker's warning of the

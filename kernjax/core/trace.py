@@ -27,12 +27,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
 import jax.extend.core as jex
 import numpy as np
+
+from kernjax.core import lowering
 
 INPUT_ROLES = ("weight", "state", "fill", "table")
 OUTPUT_ROLES = ("tokens", "logits", "state")
@@ -89,6 +90,7 @@ class Program:
     calls: tuple[str, ...]
     rows: int
     slots: int = 0
+    layers: tuple[int, ...] = ()  # the first call of each layer, as the model declares them
 
     def text(self) -> str:
         """The program as text: the jaxpr and the roles. Stable across processes; the cut id hashes it."""
@@ -114,7 +116,19 @@ def on_gpu(*names: str, rule: bool = False) -> Callable:
     return lambda fn: _ON_GPU.setdefault(names, (fn, rule))
 
 
-_jit = functools.cache(lambda fn: jax.jit(fn, inline=jax.Inline.JAX_LATE))
+# one jit per lowering table: a function lowered under other knobs is traced again, not reused
+_jits = functools.cache(lambda fn, table: jax.jit(fn, inline=jax.Inline.JAX_LATE))
+
+
+def _jit(fn: Callable) -> Callable:
+    return _jits(fn, lowering.current())
+
+
+def routes() -> dict[str, str]:
+    """The registered `on_gpu` lowerings as the lowering table records them: the joined call
+    names to the function (module and name) that lowers them."""
+    return {"+".join(names): f"{fn.__module__}.{fn.__qualname__}{' (rule)' if rule else ''}"
+            for names, (fn, rule) in _ON_GPU.items()}
 
 
 def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) -> Callable:
@@ -139,7 +153,7 @@ def as_function(closed: jex.ClosedJaxpr, platform: str, *, fences: bool = True) 
     last_read = {id(v): j for j, e in enumerate(jp.eqns) for v in e.invars}  # each var's last
     last_read |= {id(v): len(jp.eqns) for v in jp.outvars}  # reader; outputs read after all
     if cuts:
-        from kernjax import ffi
+        from kernjax.kernels import ffi
 
     def run(*args):
         env = dict(zip(jp.constvars, closed.consts)) | dict(zip(jp.invars, args))
@@ -195,8 +209,8 @@ def graph_cuts(calls: int) -> set[int]:
     updating it for the run's buffers) then hides behind the graph before, but for the first,
     small one: one graph a program made the whole program's first chunk 1.2 ms late at 512 rows
     (docs/bitwise.md). The cut is `ffi.publish` with no slot, an identity with no kernel, which
-    XLA keeps outside its graphs; `KERNJAX_GRAPH_CUTS=0` leaves one graph."""
-    if os.environ.get("KERNJAX_GRAPH_CUTS") == "0":
+    XLA keeps outside its graphs; the lowering table's `graph_cuts=False` leaves one graph."""
+    if not lowering.current().graph_cuts:
         return set()
     total, ends = sum(GRAPH_SEGMENTS), np.cumsum(GRAPH_SEGMENTS)[:-1]
     return {round(calls * int(e) / total) - 1 for e in ends} - {-1}
@@ -247,6 +261,7 @@ def trace(
     *,
     rows: int,
     slots: int = 0,
+    layer_of: Callable[[str], int | None] | None = None,
 ) -> Program:
     """Traces `fn` (a dict of named inputs to a dict of named outputs) into a Program.
 
@@ -257,6 +272,9 @@ def trace(
       rows: the rows one run of the program takes (the chunk); the cut reports bytes per row.
       slots: the sequence slots of its per-sequence states (`seq_slots` in `item.py`), slot 0
         never leased; 0 when it has none.
+      layer_of: the model's word for which layer a call belongs to (its number, or None for a
+        call outside the layers); layer k's first call is `Program.layers[k]`, where
+        `kernjax cut --at K` cuts. Layers must be numbered 0, 1, ... in call order.
     """
     errs = [f"input `{s.name}` has role `{s.role}`; roles are {INPUT_ROLES}"
             for s in inputs if s.role not in INPUT_ROLES]
@@ -292,4 +310,18 @@ def trace(
         raise TraceError("cannot trace:\n" + "\n".join(f"  - {e}" for e in errs))
     outs = tuple(Slot(n, r, str(v.aval.dtype), tuple(v.aval.shape))
                  for (n, r), v in zip(outputs, jp.outvars))
-    return Program(closed, tuple(inputs), outs, tuple(calls), rows, slots)
+    layers = _layers(calls, layer_of)
+    return Program(closed, tuple(inputs), outs, tuple(calls), rows, slots, layers)
+
+
+def _layers(calls: Sequence[str], layer_of) -> tuple[int, ...]:
+    starts: list[int] = []
+    for k, c in enumerate(calls):
+        n = layer_of(c) if layer_of else None
+        if n is None or (starts and n == len(starts) - 1):
+            continue
+        if n != len(starts):
+            raise TraceError(f"call `{c}` (call {k}) is in layer {n}, after layer "
+                             f"{len(starts) - 1}: layers must come in order 0, 1, ...")
+        starts.append(k)
+    return tuple(starts)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from kernjax.core import lowering
 
 EPI = 64  # epilogue tiles of 64 x 64
 
@@ -43,15 +44,6 @@ def silu_mul_f32(g, u):
     epilogue and the kernel apart both run."""
     g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
     return (g32 / (1.0 + jnp.exp(-g32)) * u32).astype(g.dtype)
-
-
-def _knob(name: str, default: str, other: str) -> str:
-    """An A/B knob's value from the environment: `default` unless set, else `other`; any other
-    value refused, saying which two it takes."""
-    value = os.environ.get(name, default)
-    if value not in (default, other):
-        raise ValueError(f"{name}={value!r}: give {default} (the default) or {other}")
-    return value
 
 
 # name: (silu·mul, Mosaic GPU's approx_math) of the kernels' epilogue; experiments/fused_mlp.py
@@ -70,8 +62,8 @@ def tiling(rows: int) -> dict:
     Above 2048 rows three pipeline steps: the 8k prefill in 126.5 ms against 128.4 with four
     (experiments/results/2026-12-03-h200-mlp-steps/); alone, tilings this close differ by less
     than the kernel's 8 % spread within a call (experiments/results/2026-12-03-h200-726eeb0/).
-    `KERNJAX_MLP_ACROSS=1` (`across_tiles`): four steps and one pipeline across a CTA's tiles;
-    `KERNJAX_MLP_TILE=64x256` (`wide_tiles`): above 2048 rows, 64 x 128 wgmmas."""
+    The lowering table's `mlp_across` (`across_tiles`): four steps and one pipeline across a
+    CTA's tiles; its `mlp_tile="64x256"` (`wide_tiles`): above 2048 rows, 64 x 128 wgmmas."""
     small = dict(tile_m=64, tile_n=256, tile_k=64, steps=3, wg_n=False, minor=1, width=1)
     if rows <= 2048:
         t = small
@@ -85,22 +77,22 @@ def tiling(rows: int) -> dict:
 
 
 def across_tiles() -> bool:
-    """`KERNJAX_MLP_ACROSS=1`: the GEMM's pipeline across each CTA's tiles with four steps (`gemm`'s
-    `across`; roadmap K15), an A/B knob, default 0. It changes no bit, but set it alike in every
-    process of a cut all the same, before a program is traced (jit keeps what it traced)."""
-    return _knob("KERNJAX_MLP_ACROSS", "0", "1") == "1"
+    """The lowering table's `mlp_across` (`kernjax cut --mlp_across`): the GEMM's pipeline across each CTA's tiles with four steps (`gemm`'s
+    `across`; roadmap K15), an A/B knob, off by default. It changes no bit measured; the cut id
+    holds it all the same."""
+    return lowering.current().mlp_across
 
 
 def wide_tiles() -> bool:
-    """`KERNJAX_MLP_TILE=64x256`: above 2048 rows each compute warpgroup takes 64 rows by 128
+    """The lowering table's `mlp_tile="64x256"` (`kernjax cut --mlp_tile 64x256`): above 2048 rows each compute warpgroup takes 64 rows by 128
     columns of gate and of up, the two one above the other (64 x 128 wgmmas, where the default,
     `128x128`, has 128 rows by 64 columns side by side and 64 x 64 wgmmas), roadmap K15. The same
     CTA tile (128 x 128) and stages; a quarter less shared-memory traffic (Nsight Compute at
     8192 rows: 67 % busy against 89 %, 1.9 % fewer cycles at the profiler's clock, 2026-12-04);
-    in the 8k program 126.40 ms against 126.32, three alternated rounds (2026-12-04). An A/B knob, default 128x128; every tiling measured gives
-    cuBLASLt's bits for gate and up, but set it alike in every process of a cut all the same,
-    before a program is traced."""
-    return _knob("KERNJAX_MLP_TILE", "128x128", "64x256") == "64x256"
+    in the 8k program 126.40 ms against 126.32, three alternated rounds (2026-12-04). An A/B
+    knob, default 128x128; every tiling measured gives cuBLASLt's bits for gate and up; the cut
+    id holds it all the same."""
+    return lowering.current().mlp_tile == "64x256"
 
 
 def _cta(t: dict) -> tuple[int, int]:
@@ -260,7 +252,7 @@ def silu_mul_kernel(g, u, *, block=(64, 128)):
                         grid=(grid,), grid_names=("sm",), **params)(g, u)
 
 
-# The calls' GPU lowerings (kernjax.trace.on_gpu): None keeps XLA's, for shapes that do not fit.
+# The calls' GPU lowerings (kernjax.core.trace.on_gpu): None keeps XLA's, for shapes that do not fit.
 def fused_call(x, wg, wu):
     """`gate_up` then `silu_mul`, one kernel: silu(gate)·up."""
     if not fits(x, wg, wu):

@@ -6,19 +6,15 @@ must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
-    from kernjax import cli
-
-    cli.run(cli.chain_main)
-
 import re
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 
-from kernjax.cut import counted
-from kernjax.run import Pipeline
+from kernjax.core import lowering
+from kernjax.core.cut import counted
+from kernjax.runtime.pipeline import Pipeline
 
 
 def differing_bytes(a, b) -> int:
@@ -31,7 +27,13 @@ def differing_bytes(a, b) -> int:
 
 def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *, chunk: int,
           say: Callable[[str], None] = print) -> bool:
-    """Runs every prompt through both; says one line per prompt; True when all are identical."""
+    """Runs every prompt through both; says one line per prompt; True when all are identical.
+    Refuses (a ValueError naming the knob) a whole program exported with other kernels than the
+    stages: they would be compared against another program."""
+    why = lowering.refusal(f"`{whole.runners[0].art.path}`", whole.runners[0].art.lowering,
+                           f"`{split.runners[0].art.path}`", split.runners[0].art.lowering)
+    if why:
+        raise ValueError(why)
     ok = True
     for n, prompt in enumerate(prompts):
         whole.reset()

@@ -6,23 +6,23 @@ fills and tables from the item, arrivals from the stage before, departures to th
 Before anything compiles it checks the weights against the manifest, tensor by tensor.
 
 The program is compiled when the stage opens, with the kernel choices every process of a cut
-makes alike (`kernjax/xla.py`).
+makes alike (`kernjax/runtime/xla.py`).
 """
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from kernjax import derive, models
-from kernjax import stage as artifacts
+from kernjax.runtime import derive
+from kernjax import artifact as artifacts
 from kernjax import weights as ckpts
-from kernjax import tokens, xla
-from kernjax.item import make_item
+from kernjax.runtime import tokens
+from kernjax.runtime import xla
+from kernjax.core.item import make_item
 
 
 class StageError(RuntimeError):
@@ -52,32 +52,14 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
     miss = [w for w in want if (str(ckpt), w[0], w[2]) not in cache]
     fallbacks = art.manifest["model"].get("fallbacks")
     if miss:
-        ckpts.same_model(ckpt, art.manifest["model"]["config"])
-    plain, recipes = split_derived(_recipes(art), miss)
+        ckpts.same_model(ckpt, art.manifest["model"])
+    plain, recipes = ckpts.split_derived(artifacts.recipes(art), miss)
     got = ckpts.load(ckpt, plain, fallbacks=fallbacks) if miss else {}
     if recipes:  # weights derived at load: only those this stage's calls read
         got.update(derive.run(recipes, lambda want: ckpts.load(ckpt, want, progress=False))[0])
     for name, _, dtype in miss:
         cache[(str(ckpt), name, dtype)] = got[name]
     return {name: cache[(str(ckpt), name, dtype)] for name, _, dtype in want}
-
-
-def split_derived(recipes, want) -> tuple[list, list]:
-    """`(the weights of want read from the checkpoint as they are, the recipes that derive the
-    rest)`; want holds `(name, shape, dtype)`."""
-    names = {w[0] for w in want}
-    used = [r for r in recipes if any(n in names for n, _, _ in r.outputs)]
-    made = {n for r in used for n, _, _ in r.outputs}
-    return [w for w in want if w[0] not in made], used
-
-
-def _recipes(art: artifacts.Artifact) -> list:
-    """The model's derive program (`derived(cfg)`, cfg in the artifact's dtype), if it has one."""
-    model = art.manifest["model"]
-    fam = importlib.import_module(f"{models.__name__}.{model['family']}")
-    if not hasattr(fam, "derived"):
-        return []
-    return fam.derived(fam.Config(**{**model["config"], "dtype": art.dtype}))
 
 
 class Runner:
@@ -116,7 +98,7 @@ class Runner:
 
     def _compile(self, exported, specs, names, donate):
         """`exported` compiled for this stage: its states donated, `next_token` (of its outputs
-        `names`) published to the host by the program (`kernjax.tokens`), CUDA graphs by its
+        `names`) published to the host by the program (`kernjax.runtime.tokens`), CUDA graphs by its
         rows."""
         call, leaf = exported.call, None
         if self.ring is not None:
@@ -162,7 +144,7 @@ class Runner:
 
     def run_edged(self, item: Mapping[str, np.ndarray], k: int
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
-        """Issues item `k` through the program with edge ops (`kernjax.edge`): its arrivals come
+        """Issues item `k` through the program with edge ops (`kernjax.runtime.edge`): its arrivals come
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()

@@ -2,29 +2,30 @@
 
 `Pipeline` runs stage artifacts in sequence in one process: each item goes to stage 0, each
 stage's departures become the next stage's arrivals, and the last stage's `tokens` and `logits`
-are the result. A pipeline of one stage is the whole program. `python -m kernjax.run` is the shell.
+are the result. A pipeline of one stage is the whole program. `kernjax run` is the shell.
 """
 
 from __future__ import annotations
-
-if __name__ == "__main__":  # the shell: its flags parsed before jax is imported
-    from kernjax import cli
-
-    cli.run(cli.run_main)
 
 from collections.abc import Sequence
 
 import numpy as np
 
-from kernjax.cut import counted
-from kernjax.item import Piece, chunks, make_item
-from kernjax.runner import Runner, StageError
+from kernjax.core import lowering
+from kernjax.core.cut import counted
+from kernjax.core.item import Piece, chunks, make_item
+from kernjax.runtime.runner import Runner, StageError
 
 
 class Pipeline:
     """Stages of one cut, in order, run one item at a time in this process."""
 
     def __init__(self, runners: Sequence[Runner]):
+        for r in runners[1:]:
+            why = lowering.refusal(f"`{runners[0].art.path}`", runners[0].art.lowering,
+                                   f"`{r.art.path}`", r.art.lowering)
+            if why:
+                raise StageError(why)
         ids = {r.art.cut_id for r in runners}
         idx = [r.art.index for r in runners]
         if len(ids) != 1:

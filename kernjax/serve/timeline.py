@@ -24,7 +24,7 @@ more work, its idle share the time the server had nothing to do (docs/serving.md
 numpy's. Stages on different hosts read different clocks: a skew shows as a negative held.
 
 `gantt` draws items `first..last` as text, one row per stage ('.' a gap, the item number mod 10
-from start to done); `png` with matplotlib. `python -m kernjax.timeline LOG... [--png FILE]
+from start to done); `png` with matplotlib. `kernjax timeline LOG... [--png FILE]
 [--first K] [--last K]` prints the report and the gantt.
 """
 
@@ -243,41 +243,3 @@ def png(items, path, *, first: int = 0, last: int | None = None, max_items: int 
     except OSError as e:
         raise OSError(f"--png {path}: cannot write it ({e.strerror or e})") from None
     return Path(path)
-
-
-def timeline_main():
-    """`python -m kernjax.timeline LOG... [--png FILE] [--first K] [--last K] [--width N]`."""
-    from absl import flags
-    flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
-    flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn (item 0 has "
-                         "no previous item, so no period)", lower_bound=0)
-    flags.DEFINE_integer("last", None, "the last item counted and drawn (default: the last on "
-                         "every stage; the gantt draws 20 from --first)")
-    flags.DEFINE_integer("width", 120, "columns of the text gantt", upper_bound=10000)
-    FLAGS = flags.FLAGS
-
-    def main(logs=()):
-        if not logs:
-            raise ValueError("give the stages' log files: python -m kernjax.timeline LOG... "
-                             "[--png FILE]")
-        lines = []
-        for log in map(Path, logs):
-            if not log.is_file():
-                raise ValueError(f"log `{log}` is not a file")
-            lines += log.read_text(errors="replace").splitlines()
-        if FLAGS.last is not None and FLAGS.last < FLAGS.first:
-            raise ValueError(f"--last {FLAGS.last} is before --first {FLAGS.first}")
-        items = parse(lines)
-        print(report(items, first=FLAGS.first, last=FLAGS.last))
-        print()
-        print(gantt(items, first=FLAGS.first, last=FLAGS.last, width=FLAGS.width))
-        if FLAGS.png:
-            print(f"wrote {png(items, FLAGS.png, first=FLAGS.first, last=FLAGS.last)}")
-
-    main.takes_args = True
-    return main
-
-
-if __name__ == "__main__":
-    from kernjax import cli
-    cli.run(timeline_main)

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import ffi
+from kernjax.kernels import ffi
 
 _IDS = iter(range(1, 64))  # kj_mark's slot ids in this process (csrc/kj.h)
 RING = 64  # entries: runs in flight at once (a pipeline holds a few) before one is written over

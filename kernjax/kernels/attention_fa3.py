@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax import ffi
+from kernjax.core import lowering
+from kernjax.kernels import ffi
 
 
 PAGES = (16, 128)  # rows a page: gathered (csrc/fa3.cu's kPage), or read in place (kPageTma)
@@ -55,7 +56,8 @@ def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
     meta = 4 * (-(-seqs // 4) * 4) + 1 + 2 * seqs + 1
     key_rows = 0 if kv.shape[1] == 128 else \
         min(seqs * (-(-width * 16 // 128) * 128), kv.shape[0] * 16 + 128 * seqs)
-    o, _, _, _ = jax.ffi.ffi_call("kj_fa3", (
+    target = "kj_fa3" if lowering.current().fa3_graphs else "kj_fa3_ungraphed"
+    o, _, _, _ = jax.ffi.ffi_call(target, (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((heads, rows), jnp.float32),
         jax.ShapeDtypeStruct((meta,), jnp.int32),

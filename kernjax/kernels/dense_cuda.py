@@ -2,7 +2,7 @@
 
 XLA runs `q_norm`, `k_norm`, `rope` and `kv_write` as seven memory-bound kernels, q written and
 read back three times (4.27 ms of qwen3-4b's 8k prefill on an H200), and each `add_norm` call as
-two. Here, registered with `kernjax.trace.on_gpu` (models/qwen3.py):
+two. Here, registered with `kernjax.core.trace.on_gpu` (models/qwen3.py):
 
 - the four calls in a row, where no cut falls among them, as one kernel (`kj_qk_rope`): qkv read
   once, q written once roped, k and v stored into the paged state;
@@ -20,14 +20,14 @@ XLA's (a sum's order differs; within one bf16 step), and every process of a cut 
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 
-from kernjax import ffi  # noqa: F401  (registers the extension's handlers at import)
+from kernjax.core import lowering
+from kernjax.kernels import ffi  # noqa: F401  (registers the extension's handlers at import)
 
 D = 128
 _NORM = ("convert_element_type mul reduce_sum broadcast_in_dim div add rsqrt mul "
@@ -47,7 +47,8 @@ _SHAPES = {  # the primitives of each body the kernels implement, in order
 
 
 def enabled() -> bool:
-    return os.environ.get("KERNJAX_DENSE_CUDA", "1") != "0"
+    """The lowering table's `dense_cuda` (`kernjax cut --nodense_cuda` turns these kernels off)."""
+    return lowering.current().dense_cuda
 
 
 def _body(eqn: jex.JaxprEqn, kind: str) -> jex.ClosedJaxpr | None:

@@ -1,9 +1,9 @@
 """Chunked-prefill attention over a paged KV state: a Mosaic GPU kernel for Hopper (H200).
 
 The route for f16 and head_dim 64 since 2026-12-01; bf16 with head_dim 128 runs FlashAttention-3
-(`models/attention_fa3.py`), 1.2-1.4x this kernel on an H200 (`docs/bitwise.md`).
+(`kernjax/kernels/attention_fa3.py`), 1.2-1.4x this kernel on an H200 (`docs/bitwise.md`).
 
-The same function as `models/attention_pallas.py` (the Triton kernel, kept for float32 and for
+The same function as `kernjax/kernels/attention_pallas.py` (the Triton kernel, kept for float32 and for
 head dims other than 64 and 128), shaped like FlashAttention-3: tensor-core products
 issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
 moves memory and two that compute, taking turns on the tensor cores (handed over one way at

@@ -18,9 +18,9 @@ does not move, or stays -inf until a key is visible). No score matrix is ever wh
 
 Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
 id, are the same everywhere): on CUDA GPUs FlashAttention-3 through the FFI handler `kj_fa3`
-(`models/attention_fa3.py`: bf16, head_dim 128; built by `scripts/fa3`), else the Mosaic GPU
-kernel `models/attention_hopper.py` (f16, or head_dim 64: wgmma and TMA, for Hopper), else the
-Pallas Triton kernel `models/attention_pallas.py` (float32 programs, other head dims);
+(`kernjax/kernels/attention_fa3.py`: bf16, head_dim 128; built by `scripts/fa3`), else the Mosaic GPU
+kernel `kernjax/kernels/attention_hopper.py` (f16, or head_dim 64: wgmma and TMA, for Hopper), else the
+Pallas Triton kernel `kernjax/kernels/attention_pallas.py` (float32 programs, other head dims);
 `blockwise` below everywhere else. The choice within CUDA is by dtype and shape only, never by
 the device present, so a program traced without a GPU is the one that runs on it. `blockwise` is
 also the GPU kernels' reference in the tests.

@@ -18,8 +18,19 @@ alignment); it never exceeds the sum of sizes rounded up to `align`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """One derive call: `fn(*sources)` returns the arrays `outputs` (each `(name, shape,
+    dtype)`), reading the checkpoint tensors `sources` (each `(name, shape, dtype)`)."""
+
+    outputs: tuple[tuple[str, tuple[int, ...], str], ...]
+    sources: tuple[tuple[str, tuple[int, ...], str], ...]
+    fn: Callable
 
 
 class Window(NamedTuple):

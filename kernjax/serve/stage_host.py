@@ -25,11 +25,11 @@ import time
 
 import numpy as np
 
-from kernjax.runner import Runner
+from kernjax.runtime.runner import Runner
 from kernjax.serve.protocol import MAX_FRAME, Closed, ProtocolError, connect, handshakes
-from kernjax import edge
+from kernjax.runtime import edge
 from kernjax.serve.transport import HostTransport
-from kernjax.timeline import log_item
+from kernjax.serve.timeline import log_item
 
 
 def memory_line(m: dict) -> str:
@@ -96,6 +96,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                             say=say)
             try:
                 hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
+                                     "lowering": art.lowering,
                                      "pages": art.item.pages, "listen": server.getsockname()[1],
                                      "arrivals": _slots(art.arrivals),
                                      "departures": _slots(art.departures), "fills": fills,

@@ -18,14 +18,14 @@ recompile every step. Attributes hold only what is fixed for the life of a progr
 - `mark`: an identity on one buffer that also publishes a per-step sequence number, and values
   with it, into a host slot (`kernjax._ffi.host_alloc(nbytes, mapped=...)`, back through
   `host_free`; a CPU-only run may use any aligned numpy array), so a host thread sees how far a
-  stage has run and what it made without a driver call (`kernjax.tokens`: the first token).
+  stage has run and what it made without a driver call (`kernjax.runtime.tokens`: the first token).
 - `mxfp4_shuffle` moves MXFP4 experts into the layout a MoE GEMM reads (its reference is
-  `models/mxfp4.py: shuffle`; derive programs run it at load).
+  `kernjax/kernels/mxfp4.py: shuffle`; derive programs run it at load).
 - `kj_fa3` (CUDA only) is the bf16 attention call through FlashAttention-3, loaded from
-  `fa3_path()` (`models/attention_fa3.py`, csrc/fa3.h).
+  `fa3_path()` (`kernjax/kernels/attention_fa3.py`, csrc/fa3.h).
 - `kj_qk_rope`, `kj_head_norm`, `kj_rope`, `kj_kv_write`, `kj_add_norm` (CUDA only): a dense
-  layer's small bf16 calls (csrc/dense.cu), lowered to by `models/dense_cuda.py`'s rules.
-- hold, recv, push and post, the edge ops of csrc/edge.h (kernjax/edge.py puts them into stage
+  layer's small bf16 calls (csrc/dense.cu), lowered to by `kernjax/kernels/dense_cuda.py`'s rules.
+- hold, recv, push and post, the edge ops of csrc/edge.h (kernjax/runtime/edge.py puts them into stage
   programs).
 """
 
@@ -101,7 +101,7 @@ def fa3_path() -> Path:
     """Where kj_fa3 loads FlashAttention-3 from: $KERNJAX_FA3_LIB, else build/fa3/libkj_fa3.so
     beside the package (scripts/fa3 writes it there)."""
     env = os.environ.get("KERNJAX_FA3_LIB")
-    return Path(env) if env else Path(__file__).resolve().parent.parent / FA3_LIB
+    return Path(env) if env else Path(__file__).resolve().parents[2] / FA3_LIB
 
 
 def has_cuda() -> bool:
@@ -153,7 +153,7 @@ def mark(x, seq, *, slot: int = 0, ring: int = 1):
       memory mapped into the device (cudaHostAlloc with cudaHostAllocMapped). The caller keeps
       it alive while programs that use it may run.
     ring: with ring > 1, `slot` holds that many entries of whole 64-byte lines and this step
-      writes entry seq[0] mod ring (kernjax/tokens.py).
+      writes entry seq[0] mod ring (kernjax/runtime/tokens.py).
 
     The op has a side effect, so XLA never removes or deduplicates it. It is not differentiable
     and has no batching rule.
@@ -189,7 +189,7 @@ def mxfp4_shuffle(packed, scales, *, gated: bool = False):
     """MXFP4 weights from the checkpoint layout into the GEMM layout (csrc/mxfp4_shuffle.*):
     `(packed u8[..., M, K/2], scales u8[..., M, K/32])` -> `(packed u8[..., M, K/2] with rows
     shuffled, scales u8[..., Mp*Kp] flat in the 128x4 swizzle)`; `gated` for a GEMM1 `[up; gate]`.
-    Bitwise `models/mxfp4.py: shuffle`, its JAX reference (byte gathers only)."""
+    Bitwise `kernjax/kernels/mxfp4.py: shuffle`, its JAX reference (byte gathers only)."""
     packed, scales = jnp.asarray(packed), jnp.asarray(scales)
     if packed.dtype != jnp.uint8 or scales.dtype != jnp.uint8:
         raise TypeError(f"mxfp4_shuffle: packed and scales are uint8, got {packed.dtype} and "
@@ -211,7 +211,7 @@ def mxfp4_shuffle(packed, scales, *, gated: bool = False):
 
 # The edge ops (csrc/edge.h): `tok` is an int32[1] threaded through one stage's edge ops so that
 # data dependence orders them; `item` is the item's sequence number, an int32[1] operand; `edge`
-# names an edge this process has bound (kernjax.edge), `word` its arrived (0) or taken (1) word.
+# names an edge this process has bound (kernjax.runtime.edge), `word` its arrived (0) or taken (1) word.
 # Each is a primitive whose custom call has a side effect for XLA (never removed, merged or
 # moved) and none for JAX: a program with JAX effects is called through Python, not jit's C++
 # dispatch, which cost a 4B model's stage ~3 ms of host time an item (docs/lessons.md).

@@ -154,7 +154,7 @@ def flash(q, k, v, g, beta, cu_seqlens, initial_state=None, *, scale=None):
     sequence and head, no atomics), on the CPU and on CUDA GPUs; same arguments and results as
     `naive` and `chunked`, K = V (FlashKDA's shape), K at least 16. Runs only where the extension
     is built; traces anywhere (a program whose CPU route is `chunked` carries it for CUDA)."""
-    from kernjax import ffi
+    from kernjax.kernels import ffi
 
     q, k, v32, g, beta, cu, h0 = _prepare(q, k, v, g, beta, cu_seqlens, initial_state, scale)
     T, H, K = q.shape

@@ -1,0 +1,401 @@
+"""Stage artifacts: one directory per stage, `manifest.json` plus the stage's exported program.
+
+`write` serializes a `Stage` with `jax.export` (StableHLO; FFI targets are registered by the
+runtime before loading) and a manifest holding everything `kernjax cut` prints, each kept
+weight's checkpoint name, dtype and shape, the cut `{id, stage, stages}` and the checkpoint bound
+(`{dir, id}` with `weights.fingerprint`, or `{model, seed, dtype}`); `whole/` is the uncut program.
+
+`read` verifies the artifact before anything runs: the format, the jax version that exported it
+and the program's hash. The runtime then checks the weights against the manifest, and stages
+refuse a peer with another cut id.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+from jax import export
+
+from kernjax.core import lowering
+from kernjax.kernels import ffi
+from kernjax.core.cut import Stage
+from kernjax.core.item import Shape
+from kernjax.core.trace import Slot, as_function
+
+FORMAT = 2  # 2: the lowering table in the manifest and the cut id
+PROGRAM = "program.jaxexport"
+# Custom calls jax.export refuses by default because their encoding may change between releases:
+# Pallas' Triton and Mosaic GPU kernels, and the extension's own ops (kj_kda, which k3's KDA calls
+# lower to on CUDA; kj_fa3, bf16 attention on CUDA; a dense layer's small calls, csrc/dense.cu;
+# the edge ops of edged programs). An artifact
+# is read only by the jax version and the extension that wrote it, so they are safe; naming a
+# target a program lacks costs nothing.
+UNSTABLE = [export.DisabledSafetyCheck.custom_call(name)
+            for name in ("__gpu$xla.gpu.triton", "mosaic_gpu_v2", "kj_kda", "kj_fa3", "kj_fa3_ungraphed", "kj_mxfp4_shuffle",
+                         "kj_mark", "kj_hold", "kj_recv", "kj_push", "kj_post", "kj_qk_rope",
+                         "kj_head_norm", "kj_rope", "kj_kv_write", "kj_add_norm")]
+# A stage of a cut also gets its program with the edge ops at its edges (kernjax/runtime/edge.py), for
+# the transports that move activations on the device; its inputs end with the item's number.
+EDGED = "edged.jaxexport"
+# The derive program of the weights a stage derives at load, one file per distinct derive call
+# (a layer's calls share one): a stage host runs them without the model's code.
+DERIVE = "derive{}.jaxexport"
+
+
+class ArtifactError(ValueError):
+    """A stage directory that cannot be used as it is; the message says what to redo."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """A verified stage directory: its manifest, slots and deserialized program."""
+
+    path: Path
+    manifest: dict
+    inputs: tuple[Slot, ...]
+    arrivals: tuple[Slot, ...]
+    departures: tuple[Slot, ...]
+    outputs: tuple[Slot, ...]
+    exported: export.Exported
+    edged: export.Exported | None = None
+
+    @property
+    def index(self) -> int:
+        return self.manifest["cut"]["stage"]
+
+    @property
+    def stages(self) -> int:
+        return self.manifest["cut"]["stages"]
+
+    @property
+    def cut_id(self) -> str:
+        return self.manifest["cut"]["id"]
+
+    @property
+    def lowering(self) -> dict:
+        """The lowering table the program was exported with (`kernjax.core.lowering`)."""
+        return self.manifest["lowering"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def rows(self) -> int:
+        return self.manifest["rows"]
+
+    @property
+    def item(self) -> Shape:
+        """The shape of the items every stage of this cut takes."""
+        return Shape(**self.manifest["item"])
+
+
+def _slots(xs) -> list[dict]:
+    return [{"name": s.name, "role": s.role, "dtype": s.dtype, "shape": list(s.shape)} for s in xs]
+
+
+def _unslots(xs) -> tuple[Slot, ...]:
+    return tuple(Slot(d["name"], d["role"], d["dtype"], tuple(d["shape"])) for d in xs)
+
+
+def export_stage(stage: Stage, platform: str | None = None, *,
+                 edged: bool = False) -> export.Exported:
+    """The stage's jaxpr exported for `platform` (default: this process's devices), each call
+    lowered as that platform needs it (`trace.as_function`); `edged`: with its edge ops
+    (`kernjax.runtime.edge.edged`: inputs, then the item's number; arrivals and departures on edges
+    `index - 1` and `index`)."""
+    platform = platform or export.default_export_platform()
+    with lowering.use(lowering.Lowering.from_table(stage.lowering)):
+        return _export(stage, platform, edged)
+
+
+def _export(stage: Stage, platform: str, edged: bool) -> export.Exported:
+    fn = as_function(stage.jaxpr, platform)
+    specs = [s.spec() for s in (*stage.inputs, *stage.arrivals)]
+    if edged:
+        from kernjax.runtime import edge
+
+        last = stage.index == stage.stages - 1
+        fn = edge.edged(fn, stage.arrivals, stage.departures,
+                        edge_in=stage.index - 1 if stage.index else None,
+                        edge_out=None if last else stage.index)
+        specs = [s.spec() for s in stage.inputs] + [jax.ShapeDtypeStruct((1,), "int32")]
+    return export.export(jax.jit(fn), platforms=[platform], disabled_checks=UNSTABLE)(*specs)
+
+
+def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,
+             program_sha256: str) -> dict:
+    """The stage's manifest: what it runs, binds, receives and sends, and which cut it belongs to."""
+    return {
+        "format": FORMAT,
+        "jax": jax.__version__,
+        "cut": {"id": stage.cut_id, "stage": stage.index, "stages": stage.stages,
+                "points": list(stage.points)},
+        "lowering": stage.lowering,
+        "model": model,
+        "checkpoint": checkpoint,
+        "dtype": dtype,
+        "rows": stage.rows,
+        "item": dataclasses.asdict(item),
+        "calls": {"first": stage.first, "end": stage.end, "names": list(stage.calls)},
+        "inputs": _slots(stage.inputs),
+        "arrivals": _slots(stage.arrivals),
+        "departures": _slots(stage.departures),
+        "forwarded": list(stage.forwarded),
+        "outputs": _slots(stage.outputs),
+        "program": {"file": PROGRAM, "sha256": program_sha256, "platform": export.default_export_platform()},
+    }
+
+
+def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
+    """Writes the stage's artifact directory; `meta` is `model`, `checkpoint`, `dtype`, `item`.
+    The directory is written beside `path` under a temporary name and renamed into place (a
+    directory already at `path` is replaced): a reader never sees half an artifact."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP, dir=path.parent))
+    try:
+        _write(tmp / "a", stage, **meta)
+        if path.exists():
+            shutil.rmtree(path)
+        os.replace(tmp / "a", path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _write(path: Path, stage: Stage, *, derive=(), **meta) -> Path:
+    path.mkdir(parents=True)
+    blob = bytes(export_stage(stage).serialize())
+    (path / PROGRAM).write_bytes(blob)
+    m = manifest(stage, program_sha256=hashlib.sha256(blob).hexdigest(), **meta)
+    if stage.stages > 1:
+        try:
+            edged = bytes(export_stage(stage, edged=True).serialize())
+        except Exception as e:  # noqa: BLE001  (the plain program serves; say what is missing)
+            print(f"warning: stage {stage.index}: its program with edge ops could not be "
+                  f"exported ({type(e).__name__}: {str(e)[:200]}); the host transport serves "
+                  "it, the device transports will refuse it", file=sys.stderr)
+        else:
+            (path / EDGED).write_bytes(edged)
+            m["edged"] = {"file": EDGED, "sha256": hashlib.sha256(edged).hexdigest()}
+    m["derive"] = _write_derive(path, stage, derive)
+    (path / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
+    return path
+
+
+def _write_derive(path: Path, stage: Stage, recipes) -> dict:
+    """Exports the recipes (`kernjax.core.staging.Recipe`) whose outputs the stage's weights
+    hold, one file per distinct function and source shapes, and returns the manifest's entry."""
+    from kernjax.weights import split_derived
+    want = [(s.name, s.shape, s.dtype) for s in stage.inputs if s.role == "weight"]
+    _, used = split_derived(list(recipes), want)
+    files, index, entries = [], {}, []
+    platform = export.default_export_platform()
+    for r in used:
+        key = (r.fn, tuple((tuple(s), d) for _, s, d in r.sources))
+        if key not in index:
+            specs = [jax.ShapeDtypeStruct(tuple(s), d) for _, s, d in r.sources]
+            blob = bytes(export.export(jax.jit(r.fn), platforms=[platform],
+                                       disabled_checks=UNSTABLE)(*specs).serialize())
+            name = DERIVE.format(len(files))
+            (path / name).write_bytes(blob)
+            index[key] = len(files)
+            files.append({"file": name, "sha256": hashlib.sha256(blob).hexdigest()})
+        entries.append({"outputs": [[n, list(s), d] for n, s, d in r.outputs],
+                        "sources": [[n, list(s), d] for n, s, d in r.sources],
+                        "program": index[key]})
+    return {"files": files, "recipes": entries}
+
+
+def recipes(art: Artifact) -> list:
+    """The artifact's derive program as `Recipe`s whose functions are its exported derive calls."""
+    from kernjax.core.staging import Recipe
+    d = art.manifest["derive"]
+    fns = []
+    for f in d["files"]:
+        blob = (art.path / f["file"]).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != f["sha256"]:
+            raise ArtifactError(f"`{art.path / f['file']}` does not match the hash in its "
+                                "manifest: re-run `kernjax cut`")
+        fns.append(export.deserialize(blob).call)
+    tup = lambda xs: tuple((n, tuple(s), dt) for n, s, dt in xs)  # noqa: E731
+    return [Recipe(tup(r["outputs"]), tup(r["sources"]), fns[r["program"]]) for r in d["recipes"]]
+
+
+def read(path: str | os.PathLike) -> Artifact:
+    """Reads and verifies a stage directory.
+
+    Raises:
+      ArtifactError: naming the field that does not match and what to do.
+    """
+    path = Path(path)
+    mpath = path / "manifest.json"
+    if not mpath.is_file():
+        subs = sorted(p.parent.name for p in path.glob("*/manifest.json"))  # a cut's directory
+        if not path.exists():
+            raise ArtifactError(f"`{path}` does not exist")
+        if path.is_file():
+            raise ArtifactError(f"`{path}` is a file; name the stage directory that holds it: "
+                                f"`{path.parent}`")
+        if subs:
+            raise ArtifactError(f"`{path}` holds a cut, not one stage: name one of its stages, "
+                                + ", ".join(f"`{path / n}`" for n in subs))
+        raise ArtifactError(f"`{path}` has no manifest.json; make stage directories with "
+                            "`kernjax cut`")
+    try:
+        m = json.loads(mpath.read_text())
+    except json.JSONDecodeError as e:
+        raise ArtifactError(f"`{mpath}` is not valid JSON ({e}); re-run `kernjax cut`") from e
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        got = f"format {m.get('format')!r}" if isinstance(m, dict) else f"a JSON {type(m).__name__}"
+        raise ArtifactError(f"`{mpath}` holds {got}; this kernjax reads format {FORMAT}: "
+                            "re-run `kernjax cut`")
+    try:
+        return _read(path, m)
+    except ArtifactError:
+        raise
+    except (KeyError, TypeError, AttributeError, ValueError) as e:  # a field removed or changed
+        raise ArtifactError(f"`{mpath}` is malformed ({type(e).__name__}: {str(e)[:120]}); "
+                            "re-run `kernjax cut`") from None
+
+
+def _read(path: Path, m: dict) -> Artifact:
+    if m["jax"] != jax.__version__:
+        raise ArtifactError(f"`{path}` was exported by jax {m['jax']}; this is jax "
+                            f"{jax.__version__}: re-run `kernjax cut` with this jax")
+    if m["program"]["platform"] != export.default_export_platform():
+        raise ArtifactError(f"`{path}` was exported for `{m['program']['platform']}`; this process "
+                            f"runs on `{export.default_export_platform()}`: re-run `kernjax cut` here")
+    blob = (path / m["program"]["file"]).read_bytes()
+    if m["program"]["platform"] == "cuda":
+        # A Mosaic GPU kernel's host code links against a runtime library that this import
+        # points XLA at; a program read back from disk, never traced here, needs it all the same.
+        importlib.import_module("jax.experimental.mosaic.gpu")
+    try:  # likewise kernjax's own custom calls (kj_fa3, bf16 attention on CUDA; kj_kda)
+        ffi.register()
+    except ffi.ExtensionError:
+        pass  # a program that calls one fails naming it; one that calls none runs
+    if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
+        raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
+                            "manifest; the artifact was changed or half-written: re-run `kernjax cut`")
+    edged = None
+    if "edged" in m:
+        eblob = (path / m["edged"]["file"]).read_bytes()
+        if hashlib.sha256(eblob).hexdigest() != m["edged"]["sha256"]:
+            raise ArtifactError(f"`{path / m['edged']['file']}` does not match the hash in its "
+                                "manifest: re-run `kernjax cut`")
+        edged = export.deserialize(eblob)
+    art = Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
+                   _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
+                   edged)
+    # what later code reads of the manifest, read once here, where a bad field is reported
+    if not (type(art.index) is int and type(art.stages) is int and isinstance(art.cut_id, str)
+            and isinstance(art.dtype, str) and art.item is not None
+            and isinstance(m["model"]["config"], dict) and isinstance(m["checkpoint"], dict)
+            and isinstance(m["lowering"], dict) and isinstance(m["derive"]["recipes"], list)):
+        raise TypeError("cut, dtype, item, lowering, model or checkpoint")
+    return art
+
+
+def model_meta(fam, cfg) -> dict:
+    """The manifest's `model`: the family, the config, the checkpoint-name fallbacks."""
+    return {"family": fam.__name__.rsplit(".", 1)[-1], "name": cfg.name,
+            "config": dataclasses.asdict(cfg), "hf": fam.hf_config(cfg),
+            "fallbacks": fam.FALLBACKS}
+
+
+def _cut_file(name: str) -> bool:
+    return name in ("manifest.json", PROGRAM, EDGED) or bool(re.fullmatch(r"derive\d+\.jaxexport", name))
+TEMP = ".cut-"  # the prefix of a cut's directory while it is written
+
+
+def previous_cut(out: Path) -> list[str]:
+    """The stage directories a previous cut wrote into `out`; refuses an `out` that holds
+    anything a cut does not write. A cut's temporary directory left by a killed cut is removed."""
+    out = Path(out)
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        raise ValueError(f"--out `{out}` is a file; give a directory")
+    ours, other = [], []
+    for p in sorted(out.iterdir()):
+        if p.name.startswith(TEMP) and p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+            continue
+        mine = (re.fullmatch(r"stage\d+|whole", p.name) and p.is_dir()
+                and all(_cut_file(f.name) for f in p.iterdir())
+                and (p / "manifest.json").is_file()
+                and '"cut"' in (p / "manifest.json").read_text(errors="replace"))
+        (ours if mine else other).append(p.name + "/" * p.is_dir())
+    if other:
+        raise ValueError(f"--out `{out}` holds {', '.join(other[:5])}{' ...' * (len(other) > 5)}"
+                         ", which `kernjax cut` did not write; cut into a new or empty directory")
+    return ours
+
+
+def write_cut(out: Path, stages, meta: dict, *, say=lambda msg: None) -> list[str]:
+    """Writes `stages`' artifacts into `out`, replacing the previous cut there (`previous_cut`).
+    Every stage is written into one temporary directory inside `out` first, then renamed into
+    place: a write that fails, or a process killed, leaves the previous cut (or nothing) and
+    never half a cut. Returns the directories' names."""
+    from kernjax.core.cut import counted
+    out = Path(out)
+    old = previous_cut(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=TEMP, dir=out))
+    names = []
+    try:
+        for st in stages:
+            name = f"stage{st.index}" if st.stages > 1 else "whole"
+            say(f"writing {out / name} ({counted(len(st.calls), 'call')})")
+            _write(tmp / name, st, **meta)
+            names.append(name)
+        if old:
+            say(f"replacing the previous cut in {out}: {', '.join(old)}")
+        for name in old:
+            shutil.rmtree(out / name)
+        for name in names:
+            os.replace(tmp / name, out / name)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
+
+
+def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, context: int,
+                   out: Path, lowering=None):
+    """The uncut program of a model as a verified one-stage artifact written to `out`."""
+    from kernjax.core.cut import whole
+    from kernjax.core.item import item_shape
+    program = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context)
+    return read(write(out, whole(program, lowering=lowering), model=model_meta(fam, cfg),
+                      checkpoint=ref, dtype=dtype, item=item_shape(program, fam.page(cfg))))
+
+
+def stage_names(stages_dir: Path) -> list[str]:
+    """The stage directories of a cut directory, in order; a path a level off says which to use."""
+    if not stages_dir.is_dir():
+        raise ValueError(f"--stages `{stages_dir}` does not exist" if not stages_dir.exists() else
+                         f"--stages `{stages_dir}` is a file; give a `kernjax cut --out` directory")
+    names = sorted((p.name for p in stages_dir.glob("stage*") if p.name[5:].isdigit()),
+                   key=lambda n: int(n[5:]))
+    if names:
+        return names
+    if (stages_dir / "manifest.json").is_file():
+        up = (stages_dir if stages_dir.name else stages_dir.resolve()).parent
+        raise ValueError(f"`{stages_dir}` is one stage; --stages takes the cut directory that "
+                         f"holds it: `{up}`")
+    cuts = sorted(str(p.parent) for p in stages_dir.glob("*/stage0"))
+    raise ValueError(f"`{stages_dir}` holds no stage0/ .. directories; " + (
+        f"it holds cuts: pass one of {', '.join(f'`{c}`' for c in cuts)}" if cuts else
+        "make them with `kernjax cut --out DIR`"))
