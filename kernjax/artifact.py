@@ -30,7 +30,8 @@ from kernjax.core import lowering
 from kernjax.kernels import ffi
 from kernjax.core.cut import Stage
 from kernjax.core.item import Shape
-from kernjax.core.trace import Slot, as_function
+from kernjax.core.trace import Slot
+from kernjax.kernels.lower import as_function
 
 FORMAT = 2  # 2: the lowering table in the manifest and the cut id
 PROGRAM = "program.jaxexport"
@@ -68,6 +69,7 @@ class Artifact:
     outputs: tuple[Slot, ...]
     exported: export.Exported
     edged: export.Exported | None = None
+    recipes: tuple = ()  # the derive program (`kernjax.core.staging.Recipe`s), read at `read`
 
     @property
     def index(self) -> int:
@@ -111,7 +113,7 @@ def _unslots(xs) -> tuple[Slot, ...]:
 def export_stage(stage: Stage, platform: str | None = None, *,
                  edged: bool = False) -> export.Exported:
     """The stage's jaxpr exported for `platform` (default: this process's devices), each call
-    lowered as that platform needs it (`trace.as_function`); `edged`: with its edge ops
+    lowered as that platform needs it (`kernels.lower.as_function`); `edged`: with its edge ops
     (`kernjax.runtime.edge.edged`: inputs, then the item's number; arrivals and departures on edges
     `index - 1` and `index`)."""
     platform = platform or export.default_export_platform()
@@ -174,8 +176,10 @@ def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
     return path
 
 
-def _write(path: Path, stage: Stage, *, derive=(), **meta) -> Path:
+def _write(path: Path, stage: Stage, *, derive=None, **meta) -> Path:
     path.mkdir(parents=True)
+    if derive is None:  # the family's derive program, its weights made in the stage's dtype
+        derive = _family_derive(meta["model"], meta["dtype"])
     blob = bytes(export_stage(stage).serialize())
     (path / PROGRAM).write_bytes(blob)
     m = manifest(stage, program_sha256=hashlib.sha256(blob).hexdigest(), **meta)
@@ -192,6 +196,13 @@ def _write(path: Path, stage: Stage, *, derive=(), **meta) -> Path:
     m["derive"] = _write_derive(path, stage, derive)
     (path / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
     return path
+
+
+def _family_derive(model: dict, dtype: str) -> list:
+    """The derive program of the family a manifest's `model` names (the cut's side, which has
+    the model's code; a stage host reads the exported one)."""
+    fam = importlib.import_module(f"kernjax.models.{model['family']}")
+    return fam.derived(fam.Config(**{**model["config"], "dtype": dtype}))
 
 
 def _write_derive(path: Path, stage: Stage, recipes) -> dict:
@@ -220,17 +231,21 @@ def _write_derive(path: Path, stage: Stage, recipes) -> dict:
 
 def recipes(art: Artifact) -> list:
     """The artifact's derive program as `Recipe`s whose functions are its exported derive calls."""
+    return list(art.recipes)
+
+
+def _recipes(path: Path, d: dict) -> tuple:
     from kernjax.core.staging import Recipe
-    d = art.manifest["derive"]
     fns = []
     for f in d["files"]:
-        blob = (art.path / f["file"]).read_bytes()
+        blob = (path / f["file"]).read_bytes()
         if hashlib.sha256(blob).hexdigest() != f["sha256"]:
-            raise ArtifactError(f"`{art.path / f['file']}` does not match the hash in its "
+            raise ArtifactError(f"`{path / f['file']}` does not match the hash in its "
                                 "manifest: re-run `kernjax cut`")
         fns.append(export.deserialize(blob).call)
     tup = lambda xs: tuple((n, tuple(s), dt) for n, s, dt in xs)  # noqa: E731
-    return [Recipe(tup(r["outputs"]), tup(r["sources"]), fns[r["program"]]) for r in d["recipes"]]
+    return tuple(Recipe(tup(r["outputs"]), tup(r["sources"]), fns[r["program"]])
+                 for r in d["recipes"])
 
 
 def read(path: str | os.PathLike) -> Artifact:
@@ -298,7 +313,7 @@ def _read(path: Path, m: dict) -> Artifact:
         edged = export.deserialize(eblob)
     art = Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
                    _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
-                   edged)
+                   edged, _recipes(path, m["derive"]))
     # what later code reads of the manifest, read once here, where a bad field is reported
     if not (type(art.index) is int and type(art.stages) is int and isinstance(art.cut_id, str)
             and isinstance(art.dtype, str) and art.item is not None
@@ -379,7 +394,8 @@ def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, con
     from kernjax.core.item import item_shape
     program = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context)
     return read(write(out, whole(program, lowering=lowering), model=model_meta(fam, cfg),
-                      checkpoint=ref, dtype=dtype, item=item_shape(program, fam.page(cfg))))
+                      checkpoint=ref, dtype=dtype, item=item_shape(program, fam.page(cfg)),
+                      derive=fam.derived(dataclasses.replace(cfg, dtype=dtype))))
 
 
 def stage_names(stages_dir: Path) -> list[str]:

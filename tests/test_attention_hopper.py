@@ -1,4 +1,4 @@
-"""`models.attention_hopper.chunk_attention` (Mosaic GPU) on the CPU, in Mosaic GPU's interpreter.
+"""`kernjax.kernels.attention_hopper.chunk_attention` (Mosaic GPU) on the CPU, in Mosaic GPU's interpreter.
 
 The interpreter runs the three warpgroups as threads, simulates the TMA, the barriers and shared
 memory, and with `detect_races` checks every shared-memory access for a missing happens-before.

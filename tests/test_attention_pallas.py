@@ -1,4 +1,4 @@
-"""`models.attention_pallas.chunk_attention` against a dense reference.
+"""`kernjax.kernels.attention_pallas.chunk_attention` against a dense reference.
 
 On the CPU the kernel runs in Pallas interpret mode on small shapes (small D and blocks, so that
 several q tiles and key blocks run); the lowering test checks that it lowers to a Triton call for

@@ -15,7 +15,7 @@ from kernjax import artifact as artifacts
 from kernjax.runtime import tokens
 from kernjax import weights as ckpts
 from kernjax.runtime.chain import chain
-from kernjax.cli import model_meta
+from kernjax.artifact import model_meta
 from kernjax.core.cut import cut, whole
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.runtime.pipeline import Pipeline
@@ -128,17 +128,17 @@ def test_chain_detects_a_difference(setup):
 
 
 def _cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, **kw)
+    return subprocess.run([sys.executable, "-m", "kernjax", *args], capture_output=True, text=True, **kw)
 
 
 def test_cli_cut_then_chain_passes(tmp_path):
-    p = _cli("kernjax.core.cut", "--model", "qwen3-tiny", "--at", "1,c32", "--out", str(tmp_path / "st"),
+    p = _cli("cut", "--model", "qwen3-tiny", "--at", "1,c32", "--out", str(tmp_path / "st"),
              "--chunk", "64", "--context", "2560")
     assert p.returncode == 0, p.stderr
     assert "stage 2: calls 32..51" in p.stdout and "into 3 stages" in p.stdout
     f = tmp_path / "prompts.txt"
     f.write_text("\n".join(" ".join(map(str, t)) for t in prompts(64, CFG.vocab)[:5]) + "\n")
-    p = _cli("kernjax.runtime.chain", "--stages", str(tmp_path / "st"), "--prompts", str(f), "--chunk", "32")
+    p = _cli("chain", "--stages", str(tmp_path / "st"), "--prompts", str(f), "--chunk", "32")
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "PASS: 5 prompts bitwise identical"
     assert "prompt 3: 65 tokens, 3 chunks: IDENTICAL" in p.stdout
@@ -150,12 +150,12 @@ def test_cli_run_whole_and_stages_agree(tmp_path):
     st = tmp_path / "st"
     prompt = prompts(16, CFG.vocab)[4]
     context = -(-len(prompt) // 16) * 16
-    assert _cli("kernjax.core.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
+    assert _cli("cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
                 "16", "--seqs", "1", "--context", str(context)).returncode == 0
     toks = " ".join(map(str, prompt))
-    a = _cli("kernjax.runtime.pipeline", "--model", "qwen3-tiny", "--tokens", toks, "--chunk", "16",
+    a = _cli("run", "--model", "qwen3-tiny", "--tokens", toks, "--chunk", "16",
              "--save", str(tmp_path / "a.npz"))
-    b = _cli("kernjax.runtime.pipeline", "--stages", str(st), "--tokens", toks, "--save", str(tmp_path / "b.npz"))
+    b = _cli("run", "--stages", str(st), "--tokens", toks, "--save", str(tmp_path / "b.npz"))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     za, zb = np.load(tmp_path / "a.npz"), np.load(tmp_path / "b.npz")
     assert za["logits"].dtype == np.float32 and za["logits"].shape == (CFG.vocab,)
@@ -165,20 +165,20 @@ def test_cli_run_whole_and_stages_agree(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "c7", "--out", "X"],
+    (["cut", "--model", "qwen3-tiny", "--at", "c7", "--out", "X"],
      "state `kv.0` is touched by 2 stages"),
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "c51", "--out", "X"],
+    (["cut", "--model", "qwen3-tiny", "--at", "c51", "--out", "X"],
      "output `logits` is made by call 50 (`lm_head`) in stage 0 of 2"),
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "c0", "--out", "X"],
+    (["cut", "--model", "qwen3-tiny", "--at", "c0", "--out", "X"],
      "cut point 0 is at or before call 0 (`embed`)"),
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "9", "--out", "X"], "has no layer 9"),
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "c99", "--out", "X"], "past the last call 51"),
-    (["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "3,1", "--out", "X"], "not increasing"),
-    (["kernjax.core.cut", "--model", "nope", "--at", "1", "--out", "X"], "unknown model `nope`"),
-    (["kernjax.runtime.pipeline", "--model", "qwen3-tiny", "--tokens", "1 2 99999"], "outside the vocabulary"),
-    (["kernjax.runtime.pipeline", "--model", "qwen3-tiny", "--tokens", ""], "the prompt is empty"),
-    (["kernjax.runtime.pipeline", "--model", "qwen3-tiny"], "exactly one of --prompt"),
-    (["kernjax.runtime.chain", "--stages", "nowhere", "--prompts", "nothing"], "nothing"),
+    (["cut", "--model", "qwen3-tiny", "--at", "9", "--out", "X"], "has no layer 9"),
+    (["cut", "--model", "qwen3-tiny", "--at", "c99", "--out", "X"], "past the last call 51"),
+    (["cut", "--model", "qwen3-tiny", "--at", "3,1", "--out", "X"], "not increasing"),
+    (["cut", "--model", "nope", "--at", "1", "--out", "X"], "unknown model `nope`"),
+    (["run", "--model", "qwen3-tiny", "--tokens", "1 2 99999"], "outside the vocabulary"),
+    (["run", "--model", "qwen3-tiny", "--tokens", ""], "the prompt is empty"),
+    (["run", "--model", "qwen3-tiny"], "exactly one of --prompt"),
+    (["chain", "--stages", "nowhere", "--prompts", "nothing"], "nothing"),
 ])
 def test_cli_refusals_exit_nonzero_with_a_message(args, message, tmp_path):
     p = _cli(*args, cwd=tmp_path)
@@ -188,26 +188,26 @@ def test_cli_refusals_exit_nonzero_with_a_message(args, message, tmp_path):
 
 def test_dtype_contradicting_the_artifact_is_refused(tmp_path):
     st = tmp_path / "st"
-    assert _cli("kernjax.core.cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
+    assert _cli("cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
                 "16", "--context", "64").returncode == 0
-    p = _cli("kernjax.runtime.pipeline", "--stages", str(st), "--tokens", "1 2 3", "--dtype", "float32")
+    p = _cli("run", "--stages", str(st), "--tokens", "1 2 3", "--dtype", "float32")
     assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
     f = tmp_path / "p.txt"
     f.write_text("1 2 3\n")
-    p = _cli("kernjax.runtime.chain", "--stages", str(st), "--prompts", str(f), "--dtype", "float32")
+    p = _cli("chain", "--stages", str(st), "--prompts", str(f), "--dtype", "float32")
     assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
-    p = _cli("kernjax.runtime.pipeline", "--stages", str(st), "--tokens", " ".join(["1"] * 65))
+    p = _cli("run", "--stages", str(st), "--tokens", " ".join(["1"] * 65))
     assert p.returncode == 2 and "context is 64" in p.stderr, p.stderr
 
 
 def test_cli_run_text_prompt_goes_through_the_tokenizer(tmp_path):
     ckpt = tmp_path / "ckpt"
-    assert _cli("kernjax.weights", "random", "--model", "qwen3-tiny", "--out",
+    assert _cli("weights", "random", "--model", "qwen3-tiny", "--out",
                 str(ckpt)).returncode == 0
     add_tokenizer(ckpt, CFG.vocab)
-    a = _cli("kernjax.runtime.pipeline", "--weights", str(ckpt), "--prompt", "w5 w6 w7", "--save",
+    a = _cli("run", "--weights", str(ckpt), "--prompt", "w5 w6 w7", "--save",
              str(tmp_path / "a.npz"))
-    b = _cli("kernjax.runtime.pipeline", "--weights", str(ckpt), "--tokens", "5 6 7", "--save",
+    b = _cli("run", "--weights", str(ckpt), "--tokens", "5 6 7", "--save",
              str(tmp_path / "b.npz"))
     assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
     token = int(np.load(tmp_path / "b.npz")["token"])
@@ -218,7 +218,7 @@ def test_cli_run_text_prompt_goes_through_the_tokenizer(tmp_path):
 
 def test_the_same_cut_writes_the_same_bytes(tmp_path):
     for out in ("a", "b"):
-        assert _cli("kernjax.core.cut", "--model", "qwen3-tiny", "--at", "2", "--out",
+        assert _cli("cut", "--model", "qwen3-tiny", "--at", "2", "--out",
                     str(tmp_path / out), "--chunk", "16", "--context", "64").returncode == 0
     for stage in ("stage0", "stage1", "whole"):
         for f in ("manifest.json", "program.jaxexport"):

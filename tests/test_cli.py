@@ -21,7 +21,7 @@ SMALL = ["--chunk", "16", "--context", "64"]
 
 
 def _cli(*args, cwd):
-    return subprocess.run([sys.executable, "-m", *args], capture_output=True, text=True, cwd=cwd,
+    return subprocess.run([sys.executable, "-m", "kernjax", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=300)
 
 
@@ -38,12 +38,12 @@ def work(tmp_path_factory):
     t = tmp_path_factory.mktemp("cli")
     weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck", progress=False)
     weights.write_random(MODEL, seed=0, dtype="bfloat16", out=t / "ck2", progress=False)
-    made = _all({"three": ["kernjax.core.cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
-                 "sw": ["kernjax.core.cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL],
-                 "sw2": ["kernjax.core.cut", "--weights", "ck2", "--at", "2", "--out", "sw2", *SMALL],
-                 "s1": ["kernjax.core.cut", "--model", MODEL, "--seed", "1", "--at", "2", "--out",
+    made = _all({"three": ["cut", "--model", MODEL, "--at", "c1,2", "--out", "st", *SMALL],
+                 "sw": ["cut", "--weights", "ck", "--at", "2", "--out", "sw", *SMALL],
+                 "sw2": ["cut", "--weights", "ck2", "--at", "2", "--out", "sw2", *SMALL],
+                 "s1": ["cut", "--model", MODEL, "--seed", "1", "--at", "2", "--out",
                         "s1", *SMALL]}, t)
-    made["two"] = _cli("kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
+    made["two"] = _cli("cut", "--model", MODEL, "--at", "2", "--out", "st", *SMALL, cwd=t)
     for p in made.values():
         assert p.returncode == 0, p.stderr
     (t / "ck").rename(t / "moved")
@@ -85,7 +85,7 @@ def test_recut_replaces_the_previous_cut(work):
     assert "(`embed` .. `embed`, 1 call)" in made["three"].stdout
     assert "writing st/stage0 (1 call)\n" in made["three"].stderr
     assert sorted(os.listdir(t / "st")) == ["stage0", "stage1", "whole"]
-    assert "removing the previous cut from st: stage0/, stage1/, stage2/, whole/" in \
+    assert "replacing the previous cut in st: stage0/, stage1/, stage2/, whole/" in \
         made["two"].stderr
     assert "wrote 2 stages and whole/ to st" in made["two"].stdout
 
@@ -93,136 +93,145 @@ def test_recut_replaces_the_previous_cut(work):
 HELP = {
     "kernjax": ["--model: the named model to cut (default: qwen3-tiny)",
                 "--chunk: rows per chunk (default: 64)", "--out"],
-    "kernjax.core.cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
+    "cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
                     "--chunk: rows per run of the program (default: 512)", "(required)"],
-    "kernjax.runtime.pipeline": ["--prompt", "--tokens", "--stages", "--model", "--weights", "--save"],
-    "kernjax.runtime.chain": ["--stages", "--prompts", "--chunk", "--weights"],
-    "kernjax.weights": ["kernjax weights random", "--model", "--out", "--seed"],
-    "kernjax.serve": ["--stage_dir", "--model", "--weights", "--dtype", "--seed", "--port",
+    "run": ["--prompt", "--tokens", "--stages", "--model", "--weights", "--save"],
+    "chain": ["--stages", "--prompts", "--chunk", "--weights"],
+    "weights": ["kernjax weights random", "--model", "--out", "--seed"],
+    "serve": ["--stage_dir", "--model", "--weights", "--dtype", "--seed", "--port",
                       "--log_dir", "--log_file", "at least 64 and at most 4096"],
-    "kernjax.serve.timeline": ["--png", "--first", "--last"],
+    "timeline": ["--png", "--first", "--last"],
 }
 
 
 def test_help_lists_each_commands_own_flags(tmp_path):
-    cmds = {m: [m, "--help"] for m in HELP}
-    cmds["short"] = ["kernjax.weights", "--helpshort"]
+    cmds = {m: [m if m != "kernjax" else "demo", "--help"] for m in HELP}
+    cmds["short"] = ["weights", "--helpshort"]
     got = _all(cmds, tmp_path)
     for m, p in got.items():
         assert p.returncode == 0 and "flags:" in p.stdout, (m, p.stdout, p.stderr)
         assert "Try --helpfull" not in p.stdout + p.stderr and "--logtostderr" not in p.stdout, m
-        for word in HELP.get(m, HELP["kernjax.weights"]):
+        for word in HELP.get(m, HELP["weights"]):
             assert word in p.stdout, (m, word, p.stdout)
 
 
+def test_kernjax_help_lists_the_verbs_and_an_unknown_verb_is_refused(tmp_path):
+    from kernjax.cli import VERBS
+    got = _all({"help": ["--help"], "bad": ["cutt", "--model", MODEL]}, tmp_path)
+    assert got["help"].returncode == 0
+    assert all(f"  {v} " in got["help"].stdout for v in VERBS), got["help"].stdout
+    assert got["bad"].returncode == 2 and got["bad"].stderr.startswith(
+        "error: `cutt` is not a verb of kernjax; the verbs are cut, run,"), got["bad"].stderr
+
+
 REFUSALS = {
-    "layers_out_of_order": (["kernjax.core.cut", "--model", MODEL, "--at", "2,1", "--out", "x"],
+    "layers_out_of_order": (["cut", "--model", MODEL, "--at", "2,1", "--out", "x"],
                             "--at 2,1: layer 2 (call 26) and layer 1 (call 14) are not increasing"),
-    "at_zero": (["kernjax.core.cut", "--model", MODEL, "--at", "0", "--out", "x"],
+    "at_zero": (["cut", "--model", MODEL, "--at", "0", "--out", "x"],
                 "--at 0: a cut before layer 0 leaves stage 0 without a layer; cut at a layer from "
                 "1 to 3"),
-    "foreign_out": (["kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "foreign"],
-                    "--out `foreign` holds config.json, which kernjax cut did not write"),
-    "empty_tokens": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", ""], "the prompt is empty"),
-    "empty_prompt": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", ""], "the prompt is empty"),
-    "no_source": (["kernjax.runtime.pipeline", "--tokens", "5"], "no model given: pass --stages DIR"),
-    "no_source_serve": (["kernjax.serve"], "no model given: pass --stage_dir DIR"),
-    "stages_too_low": (["kernjax.runtime.pipeline", "--stages", "st/stage0", "--tokens", "5"],
+    "foreign_out": (["cut", "--model", MODEL, "--at", "2", "--out", "foreign"],
+                    "--out `foreign` holds config.json, which `kernjax cut` did not write"),
+    "empty_tokens": (["run", "--model", MODEL, "--tokens", ""], "the prompt is empty"),
+    "empty_prompt": (["run", "--model", MODEL, "--prompt", ""], "the prompt is empty"),
+    "no_source": (["run", "--tokens", "5"], "no model given: pass --stages DIR"),
+    "no_source_serve": (["serve"], "no model given: pass --stage_dir DIR"),
+    "stages_too_low": (["run", "--stages", "st/stage0", "--tokens", "5"],
                        "`st/stage0` is one stage; --stages takes the cut directory that holds "
                        "it: `st`"),
-    "stages_too_high": (["kernjax.runtime.pipeline", "--stages", ".", "--tokens", "5"],
+    "stages_too_high": (["run", "--stages", ".", "--tokens", "5"],
                         "`.` holds no stage0/ .. directories; it holds cuts: pass one of "
                         "`badman`, `mixed`, `oldjax`, `s1`, `st`, `sw`, `sw2`"),
-    "stages_missing": (["kernjax.runtime.pipeline", "--stages", "nowhere", "--tokens", "5"],
+    "stages_missing": (["run", "--stages", "nowhere", "--tokens", "5"],
                        "--stages `nowhere` does not exist"),
-    "weights_missing": (["kernjax.runtime.pipeline", "--weights", "nowhere", "--tokens", "5"],
+    "weights_missing": (["run", "--weights", "nowhere", "--tokens", "5"],
                         "nowhere` does not exist"),
-    "stage_dir_too_high": (["kernjax.serve", "--stage_dir", "st"],
+    "stage_dir_too_high": (["serve", "--stage_dir", "st"],
                            "`st` holds a cut, not one stage: name one of its stages, `st/stage0`"),
-    "prompts_missing": (["kernjax.runtime.chain", "--stages", "st", "--prompts", "nowhere"],
+    "prompts_missing": (["chain", "--stages", "st", "--prompts", "nowhere"],
                         "--prompts `nowhere` does not exist"),
-    "checkpoint_gone": (["kernjax.runtime.pipeline", "--stages", "sw", "--tokens", "5"],
+    "checkpoint_gone": (["run", "--stages", "sw", "--tokens", "5"],
                         "ck`, recorded by `sw/stage0` when it was cut, does not exist any more; "
                         "pass --weights"),
-    "other_model": (["kernjax.runtime.pipeline", "--stages", "sw", "--weights", "other", "--tokens", "5"],
+    "other_model": (["run", "--stages", "sw", "--weights", "other", "--tokens", "5"],
                     "checkpoint `other` is another model than the stages were cut for: "
-                    "intermediate 256 (the stages: 128)"),
-    "wrong_verb": (["kernjax.weights", "randm", "--model", MODEL, "--out", "w"],
+                    "intermediate_size 256 (the stages: 128)"),
+    "wrong_verb": (["weights", "randm", "--model", MODEL, "--out", "w"],
                    "the verb is random"),
-    "no_verb": (["kernjax.weights", "--model", MODEL, "--out", "w"],
+    "no_verb": (["weights", "--model", MODEL, "--out", "w"],
                 "error: the verb is random, every option is a --flag"),
-    "tokens_other_digits": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "1 ١ 3"],
+    "tokens_other_digits": (["run", "--model", MODEL, "--tokens", "1 ١ 3"],
                             "--tokens `1 ١ 3`: `١` is not a token id; give token ids"),
-    "zero_chunk": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",
+    "zero_chunk": (["cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",
                     "--pages", "1"], "--chunk 0 must be at least 1; --pages 1 must be at least 2"),
-    "slots_on_paged": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
+    "slots_on_paged": (["cut", "--model", MODEL, "--at", "1", "--out", "z", "--slots",
                         "5"], "--slots: qwen3-tiny has no per-sequence states"),
     # damaged inputs
-    "untied_without_head": (["kernjax.core.cut", "--weights", "untied", "--at", "2", "--out", "z"],
+    "untied_without_head": (["cut", "--weights", "untied", "--at", "2", "--out", "z"],
                             "tensor `lm_head.weight` is missing from `"),
-    "cut_config_contradicts": (["kernjax.core.cut", "--weights", "other", "--at", "2", "--out", "z"],
+    "cut_config_contradicts": (["cut", "--weights", "other", "--at", "2", "--out", "z"],
                                "tensor `model.layers.0.mlp.gate_proj.weight` has shape [128, 64]; "
                                "the model expects [256, 64]"),
-    "config_types": (["kernjax.runtime.pipeline", "--weights", "badcfg", "--tokens", "1"],
+    "config_types": (["run", "--weights", "badcfg", "--tokens", "1"],
                      "config.json` gives hidden '64': sizes are integers"),
-    "safetensors_cut_short": (["kernjax.runtime.pipeline", "--weights", "trunc", "--tokens", "1"],
+    "safetensors_cut_short": (["run", "--weights", "trunc", "--tokens", "1"],
                               "is not a safetensors file this reader can read"),
-    "tokenizer_broken": (["kernjax.runtime.pipeline", "--weights", "badtok", "--prompt", "Hi"],
+    "tokenizer_broken": (["run", "--weights", "badtok", "--prompt", "Hi"],
                          "is not a tokenizer the tokenizers library reads"),
-    "manifest_field": (["kernjax.runtime.pipeline", "--stages", "badman", "--tokens", "1"],
+    "manifest_field": (["run", "--stages", "badman", "--tokens", "1"],
                        "stage1/manifest.json` is malformed (KeyError: 'cut')"),
-    "manifest_jax": (["kernjax.runtime.pipeline", "--stages", "oldjax", "--tokens", "1"],
+    "manifest_jax": (["run", "--stages", "oldjax", "--tokens", "1"],
                      "stage1` was exported by jax 0.0.1; this is jax"),
-    "chunk_huge": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+    "chunk_huge": (["cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
                     "10000000000000"], "--chunk 10000000000000 must be at least 1 and below 2^31"),
-    "run_chunk_negative": (["kernjax.runtime.pipeline", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
+    "run_chunk_negative": (["run", "--model", MODEL, "--chunk", "-1", "--tokens", "1"],
                            "-1 is not an integer in the range [1, 2147483647]"),
     # absl's own flag parsing: a missing, malformed or unknown flag
-    "flag_missing": (["kernjax.core.cut", "--model", MODEL], "--at is required; --out is required"),
-    "flag_malformed": (["kernjax.core.cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
+    "flag_missing": (["cut", "--model", MODEL], "--at is required; --out is required"),
+    "flag_malformed": (["cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk",
                         "abc"], "flag --chunk=abc: invalid literal"),
-    "flag_unknown": (["kernjax.serve", "--model", MODEL, "--transprot", "ipc"],
+    "flag_unknown": (["serve", "--model", MODEL, "--transprot", "ipc"],
                      "Unknown command line flag 'transprot'. Did you mean: transport"),
-    "flagfile_missing": (["kernjax.core.cut", "--flagfile=missing.flags", "--out", "x"],
+    "flagfile_missing": (["cut", "--flagfile=missing.flags", "--out", "x"],
                          "error: Unable to open flagfile: [Errno 2] No such file"),
-    "flagfile_not_utf8": (["kernjax.runtime.pipeline", "--flagfile=nonutf8.flags", "--model", MODEL],
+    "flagfile_not_utf8": (["run", "--flagfile=nonutf8.flags", "--model", MODEL],
                           "a --flagfile is not UTF-8 text (invalid start byte at byte 10)"),
-    "seed_negative": (["kernjax.core.cut", "--model", MODEL, "--seed", "-1", "--at", "2", "--out",
+    "seed_negative": (["cut", "--model", MODEL, "--seed", "-1", "--at", "2", "--out",
                        "x"], "flag --seed=-1: -1 is not"),
-    "prompt_not_utf8": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", "ab\udcffcd"],
+    "prompt_not_utf8": (["run", "--model", MODEL, "--prompt", "ab\udcffcd"],
                         "--prompt is not UTF-8 text (byte 2); pass UTF-8, or --tokens"),
-    "save_nowhere": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "5", "--save", "no/dir/x"],
+    "save_nowhere": (["run", "--model", MODEL, "--tokens", "5", "--save", "no/dir/x"],
                      "--save no/dir/x: cannot write `no/dir/x.npz` (No such file or directory)"),
-    "stages_of_two_checkpoints": (["kernjax.runtime.pipeline", "--stages", "mixed", "--tokens", "5"],
+    "stages_of_two_checkpoints": (["run", "--stages", "mixed", "--tokens", "5"],
                                   "`mixed/stage1` was cut from random qwen3-tiny (seed 1, "
                                   "bfloat16), `mixed/stage0` from random qwen3-tiny (seed 0, "
                                   "bfloat16) (or it changed in between): one pipeline runs one "
                                   "checkpoint"),
-    "chain_of_two_checkpoints": (["kernjax.runtime.chain", "--stages", "mixed", "--prompts", "one.txt"],
+    "chain_of_two_checkpoints": (["chain", "--stages", "mixed", "--prompts", "one.txt"],
                                  "`mixed/stage1` was cut from random qwen3-tiny (seed 1"),
-    "checkpoint_changed": (["kernjax.runtime.pipeline", "--stages", "sw2", "--tokens", "5"],
+    "checkpoint_changed": (["run", "--stages", "sw2", "--tokens", "5"],
                            "ck2` holds other tensors than when `sw2/stage0` was cut from it; "
                            "pass --weights"),
-    "auto_without_profile": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--out", "z"],
+    "auto_without_profile": (["cut", "--model", MODEL, "--at", "auto", "--out", "z"],
                              "--at auto needs --profile FILE"),
-    "auto_other_rows": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--out", "z",
+    "auto_other_rows": (["cut", "--model", MODEL, "--at", "auto", "--out", "z",
                          "--profile", "prof.json", "--chunk", "32"],
                         "times qwen3-tiny at 64 rows; this cut is qwen3-tiny at 32"),
 }
 WORKS = {
     # Even periods would cut at c19, between l1.kv_write and l1.attn, which splits kv.1: refused,
     # so the next best, c18.
-    "auto_two": (["kernjax.core.cut", "--model", MODEL, "--at", "auto", "--profile", "prof.json",
+    "auto_two": (["cut", "--model", MODEL, "--at", "auto", "--profile", "prof.json",
                   "--chunk", "64", "--context", "256", "--out", "auto"],
                  "--at auto: c18 (`l1.kv_write`); stage periods 32.000, 34.000 ms by the profile, "
                  "the longest 1.030 of even"),
-    "chain_one": (["kernjax.runtime.chain", "--stages", "st", "--prompts", "one.txt"],
+    "chain_one": (["chain", "--stages", "st", "--prompts", "one.txt"],
                   "prompt 0: 1 token, 1 chunk: IDENTICAL\nPASS: 1 prompt bitwise identical"),
-    "text_on_random_weights": (["kernjax.runtime.pipeline", "--model", MODEL, "--prompt", "Hello"],
+    "text_on_random_weights": (["run", "--model", MODEL, "--prompt", "Hello"],
                                "prompt: 1 token; first token: "),
-    "save_adds_npz": (["kernjax.runtime.pipeline", "--model", MODEL, "--tokens", "5", "--save", "last"],
+    "save_adds_npz": (["run", "--model", MODEL, "--tokens", "5", "--save", "last"],
                       "saved logits and token to last.npz"),
-    "moved_with_weights": (["kernjax.runtime.pipeline", "--stages", "sw", "--weights", "moved", "--tokens",
+    "moved_with_weights": (["run", "--stages", "sw", "--weights", "moved", "--tokens",
                             "5 6"], "prompt: 2 tokens; first token: "),
 }
 
@@ -272,7 +281,7 @@ def test_ctrl_c_is_one_line_and_status_130(work):
 
 SWALLOWS = """
 import sys, time
-from kernjax import cli
+from kernjax.cli import shell
 def main_def():
     def main():
         print("ready", flush=True)
@@ -282,13 +291,13 @@ def main_def():
             except KeyboardInterrupt:
                 pass
     return main
-cli.run(main_def)
+shell.run(main_def)
 """
 
 
 def test_ctrl_c_ends_the_command_even_when_its_interrupt_is_swallowed(tmp_path):
     """Ctrl-C during a cut was lost once in five tries (the KeyboardInterrupt raised inside a
-    JAX GC callback): a command ends within `cli.STOP_GRACE` seconds all the same."""
+    JAX GC callback): a command ends within `shell.STOP_GRACE` seconds all the same."""
     p = subprocess.Popen([sys.executable, "-c", SWALLOWS], cwd=tmp_path, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
     assert p.stdout.readline() == "ready\n", p.communicate()
@@ -301,9 +310,9 @@ def test_ctrl_c_ends_the_command_even_when_its_interrupt_is_swallowed(tmp_path):
 
 SWALLOWED_IN_CUT = """
 import sys, time
-from kernjax import cli
+from kernjax.cli import main
 from kernjax import artifact as stage
-real = stage.write
+real = stage._write
 def write(path, st, **kw):
     real(path, st, **kw)
     if st.index == 1:  # stage1/ written, whole/ not yet: a KeyboardInterrupt here is lost
@@ -313,25 +322,26 @@ def write(path, st, **kw):
                 time.sleep(0.05)
             except KeyboardInterrupt:
                 pass
-stage.write = write
-sys.argv = ["kernjax.core.cut", "--model", "qwen3-tiny", "--at", "2", "--out", "x", "--chunk", "16",
-            "--context", "64"]
-cli.run(cli.cut_main)
+stage._write = write
+main(["cut", "--model", "qwen3-tiny", "--at", "2", "--out", "x", "--chunk", "16", "--context", "64"])
 """
 
 
-def test_a_cut_whose_interrupt_is_swallowed_still_removes_what_it_wrote(tmp_path):
+def test_a_cut_whose_interrupt_is_swallowed_leaves_no_stage_and_the_next_cut_works(tmp_path):
+    """Stages are written into a temporary directory inside --out and renamed into place only
+    when all are written: a cut ended half-way (its interrupt lost in a JAX callback, then the
+    process ended by the grace timer) leaves no stage directory, and the next cut clears the
+    temporary one."""
     p = subprocess.Popen([sys.executable, "-c", SWALLOWED_IN_CUT], cwd=tmp_path,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while (line := p.stdout.readline()) != "ready\n":
         assert line, p.communicate()
-    assert sorted(os.listdir(tmp_path / "x")) == ["stage0", "stage1"]
+    assert [n for n in os.listdir(tmp_path / "x") if not n.startswith(".cut-")] == []
     p.send_signal(2)
     out, err = p.communicate(timeout=60)
-    assert p.returncode == 130 and err.endswith("removed what this cut had written to x\n"
-                                                "interrupted\n"), (p.returncode, out, err)
-    assert not (tmp_path / "x").exists()  # it was new: it goes, not left empty
-    assert _cli("kernjax.core.cut", "--model", MODEL, "--at", "2", "--out", "x", *SMALL,
+    assert p.returncode == 130 and err.endswith("interrupted\n"), (p.returncode, out, err)
+    assert [n for n in os.listdir(tmp_path / "x") if not n.startswith(".cut-")] == []
+    assert _cli("cut", "--model", MODEL, "--at", "2", "--out", "x", *SMALL,
                 cwd=tmp_path).returncode == 0
 
 
@@ -339,16 +349,15 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
                                                                             monkeypatch, capsys):
     """A stage whose export fails (as k3's did once on a GPU) or Ctrl-C: what the cut wrote
     goes, and cutting again into the same --out works."""
-    from kernjax import cli
     from kernjax import artifact as artifacts
     from kernjax.core.cut import cut, whole
     from kernjax.core.item import item_shape
     fam, cfg = models.named(MODEL)
     program = fam.program(cfg, dtype="float32", rows=16, context=64)
     stages = (*cut(program, [20]), whole(program))
-    meta = dict(model=cli.model_meta(fam, cfg), checkpoint={"model": MODEL, "seed": 0,
+    meta = dict(model=artifacts.model_meta(fam, cfg), checkpoint={"model": MODEL, "seed": 0,
                 "dtype": "float32"}, dtype="float32", item=item_shape(program, fam.page(cfg)))
-    real = artifacts.write
+    real = artifacts._write
 
     def fails_on_stage1(path, st, **kw):
         if st.index != 1:
@@ -357,35 +366,39 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
         (path / "program.jaxexport").write_bytes(b"half")  # as a failing export leaves it
         raise RuntimeError("export failed")
 
-    monkeypatch.setattr(artifacts, "write", fails_on_stage1)
+    monkeypatch.setattr(artifacts, "_write", fails_on_stage1)
     with pytest.raises(RuntimeError, match="export failed"):
-        cli.write_cut(tmp_path, stages, [], meta)
+        artifacts.write_cut(tmp_path, stages, meta)
     assert os.listdir(tmp_path) == []
-    assert "removed what this cut had written" in capsys.readouterr().err
-    monkeypatch.setattr(artifacts, "write", real)
-    assert cli.previous_cut(tmp_path) == []
-    cli.write_cut(tmp_path, stages, [], meta)
+    monkeypatch.setattr(artifacts, "_write", real)
+    assert artifacts.previous_cut(tmp_path) == []
+    artifacts.write_cut(tmp_path, stages, meta)
     assert sorted(os.listdir(tmp_path)) == ["stage0", "stage1", "whole"]
 
 
 def test_every_flag_the_docs_show_a_command_with_exists(tmp_path):
-    """README.md and docs/*.md show `python -m kernjax.<module> ... --flag` and
-    `experiments/<script>.py ... --flag`: each command knows each flag its lines use (docs that
-    match the code)."""
+    """README.md and docs/*.md show `kernjax VERB ... --flag` and `python -m experiments.NAME
+    ... --flag`: each command knows each flag its lines use (docs that match the code)."""
+    from kernjax.cli import VERBS
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = [os.path.join(root, "README.md")] + [
-        os.path.join(root, "docs", f) for f in sorted(os.listdir(os.path.join(root, "docs")))]
+        os.path.join(root, "docs", f) for f in sorted(os.listdir(os.path.join(root, "docs")))
+        if f.endswith(".md")]
     used: dict[tuple, set] = {}
+    verbs = "|".join(VERBS)
     for path in docs:
         for line in open(path, encoding="utf-8"):
-            for m in re.finditer(r"python -m (kernjax(?:\.\w+)*)|(experiments/\w+\.py)", line):
-                cmd = ("-m", m.group(1)) if m.group(1) else (os.path.join(root, m.group(2)),)
+            for m in re.finditer(rf"(?<![\w/.-])kernjax ({verbs})\b|python -m (experiments\.\w+)",
+                                 line):
+                cmd = ("-m", "kernjax", m.group(1)) if m.group(1) else ("-m", m.group(2))
                 tail = re.match(r"[^`#|]*", line[m.end():]).group(0)
                 used.setdefault(cmd, set()).update(re.findall(r"[\s[]--(\w+)", tail))
     assert {("-m", "kernjax", "cut"), ("-m", "kernjax", "serve")} <= set(used), used
+
     def help_of(cmd):
-        return subprocess.run([sys.executable, *cmd, "--helpfull" if cmd[0] == "-m" else "--help"],
-                              capture_output=True, text=True, cwd=tmp_path, timeout=300).stdout
+        return subprocess.run([sys.executable, *cmd, "--helpfull" if cmd[1] == "kernjax"
+                               else "--help"], capture_output=True, text=True, cwd=root,
+                              timeout=300).stdout
 
     with ThreadPoolExecutor(4) as ex:
         helps = dict(zip(used, ex.map(help_of, used)))

@@ -23,7 +23,8 @@ from jax import export
 
 from kernjax.core.cut import CutError, cut, describe, whole
 from kernjax.artifact import export_stage
-from kernjax.core.trace import Slot, TraceError, as_function, call, graph_cuts, trace
+from kernjax.core.trace import Slot, TraceError, call, trace
+from kernjax.kernels.lower import as_function, graph_cuts
 
 V = Slot("", "", "float32", (2,))
 
@@ -241,7 +242,7 @@ def test_calls_lower_per_platform_from_one_jaxpr():
 def test_a_gpu_program_runs_as_three_cuda_graphs(monkeypatch):
     """On a GPU a program's calls after n/21 and 5n/21 of its n calls end in a no-op custom call
     that XLA keeps outside its CUDA graphs (`trace.graph_cuts`): three graphs, the first small,
-    so the others' host work hides behind it. None on the CPU, none with KERNJAX_GRAPH_CUTS=0."""
+    so the others' host work hides behind it. None on the CPU, none cut with `graph_cuts=False`."""
     assert graph_cuts(436) == {20, 103} and graph_cuts(6) == {0} and graph_cuts(2) == set()
     stage = whole(_chain())
     gpu = export_stage(stage, "cuda").mlir_module()
@@ -251,8 +252,9 @@ def test_a_gpu_program_runs_as_three_cuda_graphs(monkeypatch):
         *[sl.spec() for sl in stage.inputs]).lower(lowering_platforms=("cuda",)).as_text()
     assert "optimization_barrier" not in free and "optimization_barrier" in gpu
     assert free.count("@kj_mark") == 1
-    monkeypatch.setenv("KERNJAX_GRAPH_CUTS", "0")
-    assert "@kj_mark" not in export_stage(stage, "cuda").mlir_module()
+    from kernjax.core.lowering import Lowering
+    one = whole(_chain(), lowering=Lowering(graph_cuts=False))
+    assert "@kj_mark" not in export_stage(one, "cuda").mlir_module()
 
 
 # --- numeric twin ---------------------------------------------------------------------------

@@ -19,8 +19,10 @@ from jax import export
 
 from kernjax.core.cut import cut, whole
 from kernjax.artifact import UNSTABLE, export_stage
-from models import dense_cuda, qwen3
-from models.attention_hopper import abstract_h200
+from kernjax.core import lowering
+from kernjax.kernels import dense_cuda
+from kernjax.models import qwen3
+from kernjax.kernels.attention_hopper import abstract_h200
 
 # qwen3-shaped, small: head_dim 128, hidden 256 (kj_add_norm's multiple), 2 layers.
 CFG = dataclasses.replace(qwen3.CONFIGS["qwen3-tiny"], name="k14", hidden=256, intermediate=256,
@@ -31,7 +33,7 @@ gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 @pytest.fixture(autouse=True)
 def kernels_on(monkeypatch):
-    monkeypatch.setenv("KERNJAX_DENSE_CUDA", "1")
+    monkeypatch.setattr(lowering, "_current", [lowering.Lowering(dense_cuda=True)])
 
 
 def targets(stage) -> dict[str, int]:
@@ -79,8 +81,9 @@ def test_float32_and_the_switch_off_keep_xla(monkeypatch):
     group = [eqns[n] for n in ("q_norm", "k_norm", "rope", "kv_write")]
     assert dense_cuda.qk_group(group, (False, False, True, False, True)) is None
     assert dense_cuda.add_norm([eqns["post_attn_norm"]], (True, True)) is None
-    monkeypatch.setenv("KERNJAX_DENSE_CUDA", "0")
-    assert targets(whole(qwen3.program(CFG, dtype="bfloat16", rows=64, context=256))) == {}
+    off = lowering.Lowering(dense_cuda=False)
+    assert targets(whole(qwen3.program(CFG, dtype="bfloat16", rows=64, context=256),
+                         lowering=off)) == {}
 
 
 def test_the_rules_read_eps_columns_and_frequencies_from_the_bodies():
@@ -151,6 +154,7 @@ def test_a_run_sees_which_results_are_read_after_it_and_gives_only_those(monkeyp
     """`trace.on_gpu(..., rule=True)`: the rule gets each result's fate; its function takes the
     run's outside arguments once each and gives the read results, which replace the calls'."""
     from kernjax.core import trace
+    from kernjax.kernels import lower
     from kernjax.core.trace import Slot, call
 
     seen = []
@@ -169,7 +173,7 @@ def test_a_run_sees_which_results_are_read_after_it_and_gives_only_those(monkeyp
     program = trace.trace(fn, [Slot("v", "fill", "float32", (4,)), Slot("w", "fill", "float32", (4,))],
                           [("out", "logits")], rows=4)
     spec = jax.ShapeDtypeStruct((4,), np.float32)
-    text = export.export(jax.jit(trace.as_function(program.jaxpr, "cuda")), platforms=["cuda"],
+    text = export.export(jax.jit(lower.as_function(program.jaxpr, "cuda")), platforms=["cuda"],
                          disabled_checks=UNSTABLE)(spec, spec).mlir_module()
     assert seen == [(["l.ta", "l.tb"], (False, True, True))]
     consts = set(re.findall(r"dense<([0-9.e+]+)>", text))
@@ -181,6 +185,7 @@ def test_a_single_call_rule_gives_all_its_results_even_where_only_a_later_one_is
     read after it, that one must get the second value (it once got the first: the results were
     matched to the read ones by position). The GPU program, run here on the CPU."""
     from kernjax.core import trace
+    from kernjax.kernels import lower
     from kernjax.core.trace import Slot, call
 
     monkeypatch.setitem(trace._ON_GPU, ("td",), (
@@ -191,5 +196,5 @@ def test_a_single_call_rule_gives_all_its_results_even_where_only_a_later_one_is
         return {"out": call("l.te", lambda q: q + 11)(s)}
 
     program = trace.trace(fn, [Slot("v", "fill", "float32", (4,))], [("out", "logits")], rows=4)
-    out = jax.jit(trace.as_function(program.jaxpr, "cuda"))(np.zeros(4, np.float32))
+    out = jax.jit(lower.as_function(program.jaxpr, "cuda"))(np.zeros(4, np.float32))
     assert np.asarray(out[0]).tolist() == [16.0] * 4  # 5 + 11: the rule's second result

@@ -294,27 +294,38 @@ def test_cuda_mark():
     _assert_bitwise(jax.jit(ffi.mark)(x, jnp.int32(2)), x)
 
 
-def test_kernjax_fa3_graphs_0_registers_the_handler_that_stays_outside_cuda_graphs():
-    """kj_fa3 is registered as a handler XLA may capture into its CUDA graphs; with
-    KERNJAX_FA3_GRAPHS=0 it is another handler (the same code, without that trait)."""
-    import os
-    import subprocess
-    import sys
+def test_fa3_inside_or_outside_cuda_graphs_is_two_targets_the_lowering_table_picks():
+    """kj_fa3 is registered twice: `kj_fa3`, which XLA may capture into its CUDA graphs, and
+    `kj_fa3_ungraphed`, the same code without that trait; the lowering table's `fa3_graphs`
+    picks the target the exported program calls, so the choice is in the program and its cut id."""
+    import jax.numpy as jnp
+    from jax import export
 
-    if not ffi.available() or not ffi.has_cuda():
-        pytest.skip("the extension has no CUDA handlers")
-    # the handler's address less kj_mark's: the same in every process (the library moves whole)
-    probe = ("import ctypes; from kernjax import _ffi; c = _ffi.registrations()['cuda']; "
-             "get = ctypes.pythonapi.PyCapsule_GetPointer; get.restype = ctypes.c_void_p; "
-             "get.argtypes = [ctypes.py_object, ctypes.c_char_p]; "
-             "print(get(c['kj_fa3'], None) - get(c['kj_mark'], None))")
+    from kernjax.artifact import UNSTABLE
+    from kernjax.core import lowering
+    from kernjax.kernels import attention
 
-    def handler(**env):
-        return subprocess.run([sys.executable, "-c", probe], check=True, capture_output=True,
-                              text=True, env={**os.environ, **env}).stdout.strip()
+    if ffi.available() and ffi.has_cuda():
+        import ctypes
 
-    assert handler(KERNJAX_FA3_GRAPHS="1") == handler(KERNJAX_FA3_GRAPHS="")
-    assert handler(KERNJAX_FA3_GRAPHS="0") != handler(KERNJAX_FA3_GRAPHS="1")
+        from kernjax import _ffi
+        c = _ffi.registrations()["cuda"]
+        get = ctypes.pythonapi.PyCapsule_GetPointer
+        get.restype, get.argtypes = ctypes.c_void_p, [ctypes.py_object, ctypes.c_char_p]
+        assert get(c["kj_fa3"], None) != get(c["kj_fa3_ungraphed"], None)
+    S = jax.ShapeDtypeStruct
+    args = (S((3, 128, 2, 2, 128), jnp.bfloat16), S((16, 4, 128), jnp.bfloat16),
+            S((16,), jnp.int32), S((2,), jnp.int32), S((1, 2), jnp.int32))
+
+    def text(graphs):
+        with lowering.use(lowering.Lowering(fa3_graphs=graphs)):
+            fn = jax.jit(lambda *a: attention.chunk_attention(*a, scale=0.1))
+            return export.export(fn, platforms=["cuda"], disabled_checks=UNSTABLE)(
+                *args).mlir_module()
+
+    inside, outside = text(True), text(False)
+    assert "@kj_fa3(" in inside and "kj_fa3_ungraphed" not in inside
+    assert "@kj_fa3_ungraphed(" in outside
 
 
 def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
@@ -328,7 +339,7 @@ def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
         pytest.skip("the extension is not built")
     subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "qwen3-tiny", "--at", "2",
                     "--out", str(tmp_path / "cut")], check=True, capture_output=True)
-    probe = ("import sys; from kernjax import stage; stage.read(sys.argv[1]); "
+    probe = ("import sys; from kernjax import artifact; artifact.read(sys.argv[1]); "
              "f = sys.modules['kernjax.kernels.ffi']; print(f._registered)")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cut" / "stage1")],
                          check=True, capture_output=True, text=True).stdout

@@ -18,7 +18,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from tokenizers import Tokenizer
 
-from kernjax import cli, models
+from kernjax import artifact, models
 from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 from kernjax.serve.head import Head
 from kernjax.serve.http import BYTES_PER_TOKEN, Metrics, make_app
@@ -36,7 +36,7 @@ def head(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("http")
     ref = {"model": "qwen3-tiny", "seed": 0, "dtype": CFG.dtype}
     fam, _ = models.named("qwen3-tiny")
-    art = cli.whole_artifact(fam, CFG, ref, CFG.dtype, rows=32, seqs=4, context=CONTEXT,
+    art = artifact.whole_artifact(fam, CFG, ref, CFG.dtype, rows=32, seqs=4, context=CONTEXT,
                              out=tmp / "whole")
     h = Head(Runner(art, load_weights(art, checkpoint_dir(ref))), metrics=Metrics(),
              on_exit=lambda code: None)

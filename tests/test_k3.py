@@ -20,13 +20,13 @@ from kernjax.runtime import derive
 from kernjax.core import staging
 from kernjax import artifact as artifacts
 from kernjax.runtime.chain import chain
-from kernjax.cli import model_meta
+from kernjax.artifact import model_meta
 from kernjax.core.cut import cut, whole
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.runtime.pipeline import Pipeline
 from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 from kernjax.weights import load
-from models import kda, mxfp4
+from kernjax.kernels import kda, mxfp4
 from tests.conftest import prompts
 
 FAM, CFG = models.named("k3-mini")
@@ -94,7 +94,7 @@ def _rms(x, w, eps=CFG.eps):
 
 def reference(w, ckpt, tokens):
     """Last-row logits of the whole prompt, float32, from logical weights."""
-    from models.moe import moe_reference
+    from kernjax.models.moe import moe_reference
     f = lambda n: np.asarray(w[n], np.float32)  # noqa: E731
     T, H, K = len(tokens), CFG.kda_heads, CFG.kda_head_dim
     h = f("model.embed_tokens.weight")[tokens]

@@ -15,11 +15,13 @@ import pytest
 
 from jax import export
 
-from kernjax.core import trace
+from kernjax.core import lowering, trace
+from kernjax.kernels import lower
 from kernjax.core.cut import cut, whole
 from kernjax.artifact import UNSTABLE, export_stage
-from models import mlp_hopper, qwen3
-from models.attention_hopper import abstract_h200
+from kernjax.kernels import mlp_hopper
+from kernjax.models import qwen3
+from kernjax.kernels.attention_hopper import abstract_h200
 
 # qwen3-shaped, small: head_dim 128 (FlashAttention-3's), MLP 128 -> 256, 2 layers.
 CFG = dataclasses.replace(qwen3.CONFIGS["qwen3-tiny"], name="k13", hidden=128, intermediate=256,
@@ -80,7 +82,7 @@ def test_the_unconstrained_program_keeps_the_kernels_and_drops_the_barriers():
     specs = [s.spec() for s in program.inputs]
     texts = []
     for fences in (True, False):
-        fn = trace.as_function(program.jaxpr, "cuda", fences=fences)
+        fn = lower.as_function(program.jaxpr, "cuda", fences=fences)
         with abstract_h200(132):
             texts.append(export.export(jax.jit(fn), platforms=["cuda"],
                                        disabled_checks=UNSTABLE)(*specs).mlir_module())
@@ -89,7 +91,7 @@ def test_the_unconstrained_program_keeps_the_kernels_and_drops_the_barriers():
     assert "optimization_barrier" in texts[0] and "optimization_barrier" not in texts[1]
     # `jax.default_backend()` says "gpu", which would have run the CPU's lowering on a GPU
     with pytest.raises(ValueError, match="platform 'gpu': give cpu, cuda or rocm"):
-        trace.as_function(program.jaxpr, "gpu", fences=False)
+        lower.as_function(program.jaxpr, "gpu", fences=False)
 
 
 @pytest.mark.parametrize("rows,f,k,dtype,ok", [
@@ -168,17 +170,17 @@ def _same_kernel():
 
 
 def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply(monkeypatch):
-    """`KERNJAX_MLP_ACROSS=1`: the fused GEMM and the GEMM apart take four steps and one pipeline
+    """The lowering table's `mlp_across`: the fused GEMM and the GEMM apart take four steps and one pipeline
     across a CTA's tiles, the silu·mul kernel apart is untouched; where the steps over K are not
     a multiple of four or an SM would get one tile, the kernel is the pipeline a tile's; a value
-    it does not know is refused, saying which it takes."""
-    from models.attention_hopper import on_h200
+    that is not a boolean is refused."""
+    from kernjax.kernels.attention_hopper import on_h200
 
     sk = _same_kernel()
     S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
     assert mlp_hopper.across_tiles() is False
     default = sk.mlp_modules(mlp_hopper, 8192)
-    monkeypatch.setenv("KERNJAX_MLP_ACROSS", "1")
+    monkeypatch.setattr(lowering, "_current", [lowering.Lowering(mlp_across=True)])
     assert mlp_hopper.tiling(8192)["across"] and mlp_hopper.tiling(8192)["steps"] == 4
     knob = sk.mlp_modules(mlp_hopper, 8192)
     assert knob["fused"] != default["fused"] and knob["gate_up"] != default["gate_up"]
@@ -190,13 +192,12 @@ def test_the_across_knob_changes_both_gemms_and_falls_back_where_it_cannot_apply
                                       x, w, w, num_cores=132))
                 for kw in (t, dict(t, across=False))]
         assert both[0] == both[1], (rows, k)
-    monkeypatch.setenv("KERNJAX_MLP_ACROSS", "yes")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_ACROSS='yes': give 0"):
-        mlp_hopper.across_tiles()
+    with pytest.raises(ValueError, match="mlp_across 'yes': give true or false"):
+        lowering.Lowering(mlp_across="yes")
 
 
 def test_the_tile_knob_gives_64_by_128_wgmmas_above_2048_rows(monkeypatch):
-    """`KERNJAX_MLP_TILE=64x256`: above 2048 rows the fused GEMM and the GEMM apart take the
+    """The lowering table's `mlp_tile="64x256"`: above 2048 rows the fused GEMM and the GEMM apart take the
     warpgroups one above the other, 64 rows by 128 columns of gate and of up each (64 x 128
     wgmmas), on the same 128 x 128 CTA tile, so `fits` asks what it asked; at 2048 rows and
     below, and for the silu·mul kernel, nothing changes; a value it does not know is refused,
@@ -204,7 +205,7 @@ def test_the_tile_knob_gives_64_by_128_wgmmas_above_2048_rows(monkeypatch):
     sk = _same_kernel()
     assert not mlp_hopper.wide_tiles() and mlp_hopper.tiling(8192)["wg_n"]
     default = {rows: sk.mlp_modules(mlp_hopper, rows) for rows in (2048, 8192)}
-    monkeypatch.setenv("KERNJAX_MLP_TILE", "64x256")
+    monkeypatch.setattr(lowering, "_current", [lowering.Lowering(mlp_tile="64x256")])
     t = mlp_hopper.tiling(8192)
     assert (t["tile_m"], t["tile_n"], t["wg_n"], t["steps"]) == (64, 256, False, 3)
     assert mlp_hopper._cta(t) == mlp_hopper._cta(dict(tile_m=128, tile_n=128, wg_n=True))
@@ -219,19 +220,18 @@ def test_the_tile_knob_gives_64_by_128_wgmmas_above_2048_rows(monkeypatch):
     assert wide[8192]["fused"] != default[8192]["fused"]
     assert wide[8192]["gate_up"] != default[8192]["gate_up"]
     assert wide[8192]["silu_mul"] == default[8192]["silu_mul"]
-    monkeypatch.setenv("KERNJAX_MLP_TILE", "256x64")
-    with pytest.raises(ValueError, match="KERNJAX_MLP_TILE='256x64': give 128x128"):
-        mlp_hopper.wide_tiles()
+    with pytest.raises(ValueError, match="mlp_tile '256x64': give one of 128x128, 64x256"):
+        lowering.Lowering(mlp_tile="256x64")
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="runs the kernels on the GPU")
 @pytest.mark.parametrize("tile", ["128x128", "64x256"])
 def test_on_the_gpu_the_fused_call_is_its_halves_apart_at_8192_rows(monkeypatch, tile):
     """On the GPU at qwen3-4b's MLP shapes and 8192 rows (a tiling the chain gates, at 512 and 64
-    rows, never run), under each `KERNJAX_MLP_TILE`: the fused call writes the bits of `gate_up`
+    rows, never run), under each `mlp_tile`: the fused call writes the bits of `gate_up`
     then `silu_mul` apart (what a cut between them runs), and gate and up are within a bf16 step
     of float32's products."""
-    monkeypatch.setenv("KERNJAX_MLP_TILE", tile)
+    monkeypatch.setattr(lowering, "_current", [lowering.Lowering(mlp_tile=tile)])
     ks = jax.random.split(jax.random.key(2), 3)
     x = jax.random.normal(ks[0], (8192, 2560), jnp.float32).astype(jnp.bfloat16)
     wg, wu = ((0.02 * jax.random.normal(kk, (9728, 2560), jnp.float32)).astype(jnp.bfloat16)

@@ -32,7 +32,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     env = {**os.environ, "KERNJAX_XLA_CACHE": str(tmp_path / "xla"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     py = [sys.executable, "-m"]
-    subprocess.run([*py, "kernjax.core.cut", "--model", model, "--dtype", "bfloat16", "--at", at,
+    subprocess.run([*py, "kernjax", "cut", "--model", model, "--dtype", "bfloat16", "--at", at,
                     "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
                     "--out", str(tmp_path / "cut")], env=env, check=True, capture_output=True)
     (tmp_path / "w").mkdir()
@@ -41,7 +41,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
 
     def start(stages, save):  # on a GPU each program's optimized HLO dumped, to read
         dump = f" --xla_dump_to={tmp_path}/dump-{stages} --xla_dump_hlo_as_text" if gpu else ""
-        return subprocess.Popen([*py, "kernjax.runtime.pipeline", "--stages", str(tmp_path / stages), "--tokens",
+        return subprocess.Popen([*py, "kernjax", "run", "--stages", str(tmp_path / stages), "--tokens",
                                  tokens, "--chunk", str(chunk), "--save", str(tmp_path / save)],
                                 env={**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + dump},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -18,7 +18,7 @@ from kernjax.core.cut import cut, whole
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.artifact import export_stage
 from kernjax.core.trace import Slot, call, trace
-from models import seqstate
+from kernjax.models import seqstate
 
 ROWS, SEQS, SLOTS, D, V = 16, 3, 5, 4, 32
 

@@ -554,7 +554,7 @@ def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
 def test_serving_pins_the_temporaries_before_jax_makes_its_backend(user):
     """`kernjax.serve` asks XLA for CUDA graphs whose temporaries stay put (kernjax/runtime/xla.py)
     before any backend exists, so the flag takes; a mode the user set is left alone."""
-    code = ("from jax._src import xla_bridge as xb\nimport kernjax.serve.__main__\nimport os\n"
+    code = ("from jax._src import xla_bridge as xb\nimport kernjax.cli.serve\nimport os\n"
             "print(xb.backends_are_initialized(), os.environ['XLA_FLAGS'])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ, "XLA_FLAGS": user}, check=True).stdout.split()

@@ -1,6 +1,6 @@
 """The contract every model family implements: what kernjax asks of a model, and nothing more.
 
-A family is a module (`kernjax.models.qwen3`, `kernjax.models.k3`) with these names; kernjax
+A family is a module of `kernjax.models` (one per Hugging Face `model_type`) with these names; kernjax
 reaches one through `kernjax.models.family(model_type)` or `kernjax.models.named(name)`, which
 check it against `Family` once, so a family that lacks a name fails at once, naming it, not
 halfway through a cut. Everything about a model (its configs, its checkpoint's tensor names, its
@@ -19,7 +19,7 @@ from kernjax.core.trace import Program
 
 @runtime_checkable
 class Family(Protocol):
-    CONFIGS: dict[str, Any]  # named configs (`qwen3-tiny`, `qwen3-4b`, ...)
+    CONFIGS: dict[str, Any]  # named configs, by the names `--model` takes
     FALLBACKS: dict[str, str]  # a tensor a checkpoint may omit -> the one read in its place
     Config: type  # a frozen dataclass with `name`, `dtype`, `vocab`, `layers`, ...
 
