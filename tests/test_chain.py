@@ -15,7 +15,7 @@ from kernjax import artifact as artifacts
 from kernjax.runtime import tokens
 from kernjax import weights as ckpts
 from kernjax.runtime.chain import chain
-from kernjax.cli import model_meta
+from kernjax.artifact import model_meta
 from kernjax.core.cut import cut, whole
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.runtime.pipeline import Pipeline

@@ -23,7 +23,7 @@ from kernjax import models
 from kernjax.runtime import edge
 from kernjax.kernels import ffi
 from kernjax import artifact as artifacts
-from kernjax.cli import model_meta
+from kernjax.artifact import model_meta
 from kernjax.core.cut import cut, whole
 from kernjax.core.item import Piece, chunks, item_shape, make_item
 from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights

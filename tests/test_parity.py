@@ -27,7 +27,7 @@ from kernjax import models
 from kernjax.runtime import derive
 from kernjax import artifact as artifacts
 from kernjax import weights
-from kernjax.cli import model_meta
+from kernjax.artifact import model_meta
 from kernjax.core.cut import whole
 from kernjax.core.item import item_shape
 from kernjax.runtime.pipeline import Pipeline
