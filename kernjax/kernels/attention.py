@@ -27,12 +27,12 @@ first of these that takes the dtype and shapes (`route`):
   a power of two of at least 16, pages of a power of two rows;
 - `blockwise`, for the rest (a head_dim such as 80 or 96).
 Every route takes any GQA ratio (kv_heads dividing heads): FlashAttention-3 and the Mosaic GPU
-kernel read kv head h // G for query head h, and the Triton kernel pads its tile of `G` heads a
-row up to a power of two with idle slots (`attention_pallas.tile_rows`). The choice is by dtype
-and shape only, never by the device present, so a program traced without a GPU is the one that
-runs on it, and a whole program and each stage of its cut take the same route. Only the chosen
-route is traced into the cuda branch, so no kernel is traced for shapes it refuses. `blockwise`
-is also the GPU kernels' reference in the tests.
+kernel read kv head h // G for query head h, and the Triton kernel rounds its tile (rows times
+the G heads of a kv head) up to a power of two, the extra slots idle (`attention_pallas.
+tile_rows`). The choice is by dtype and shape only, never by the device present, so a program
+traced without a GPU is the one that runs on it, and a whole program and each stage of its cut
+take the same route. Only the chosen route is traced into the cuda branch, so no kernel is traced
+for shapes it refuses. `blockwise` is also the GPU kernels' reference in the tests.
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 The route for f16 and head_dim 64 since 2026-12-01; bf16 with head_dim 128 runs FlashAttention-3
 (`kernjax/kernels/attention_fa3.py`), 1.2-1.4x this kernel on an H200 (`docs/bitwise.md`).
 
-The same function as `kernjax/kernels/attention_pallas.py` (the Triton kernel, kept for float32, for
-head dims other than 64 and 128 and for pages of 128 rows with f16), shaped like FlashAttention-3: tensor-core products
-issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
-moves memory and two that compute, taking turns on the tensor cores (handed over one way at
-hardware named barriers, as FlashAttention-3's scheduler barriers do).
+The same function as `kernjax/kernels/attention_pallas.py` (the Triton kernel, kept for float32,
+for head dims other than 64 and 128 and for f16 on pages of 128 rows), shaped like
+FlashAttention-3: tensor-core products issued asynchronously (wgmma), keys and values brought
+in by the TMA, one warpgroup that only moves memory and two that compute, taking turns on the
+tensor cores (handed over one way at hardware named barriers, as FlashAttention-3's scheduler
+barriers do).
 
 Work split. A CTA takes `2 * block_q` consecutive rows of one sequence (a *tile*) for one query
 head; compute warpgroup w owns rows `w * block_q ..` of the tile. Tiles are found by walking
@@ -113,7 +114,7 @@ _unnumbered_kernel_modules()
 
 def supports(q_dtype, head_dim: int, page: int = PAGE) -> bool:
     """Whether this kernel takes the dtype, head_dim and page (rows a page: 16); any GQA ratio
-    (a CTA reads kv head h // G for its query head h). `attention.route` says what takes the rest."""
+    (a CTA reads kv head h // G for its query head h). `attention.route` routes the rest."""
     return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
         head_dim in (64, 128) and page == PAGE
 

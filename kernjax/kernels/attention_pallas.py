@@ -81,7 +81,9 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads,
         first = first + n
     i = jnp.arange(tile)  # tile slot i < block_q * G: row i // G, query head h * G + i % G
     row = r0 + i // groups
-    row_ok = (row < end) & (i < block_q * groups)  # the slots past block_q * G idle
+    row_ok = row < end
+    if tile > block_q * groups:  # the slots past block_q * G idle
+        row_ok = row_ok & (i < block_q * groups)
     q_rows = row * heads + h * groups + i % groups  # rows of q viewed as [rows * H, D]
     col = jnp.arange(q_ref.shape[-1])[None, :]
     out = o_ref.at[q_rows[:, None], col]
