@@ -1,10 +1,11 @@
-"""Hugging Face goldens for the parity test (`tests/test_parity.py`).
+"""Hugging Face goldens for the parity tests (`tests/test_parity.py`, `tests/test_gqa.py`).
 
 Runs transformers' `Qwen3ForCausalLM` (float32, eager attention) on a checkpoint over fixed
 prompts and writes, per prompt, the token ids and the logits (float32) and argmax at every
 position `p` with `(p + 1) % 16 == 0` (the last row of every chunk of 16, 32, 64, ... rows) and at
 the prompt's last position. It also records the sha256 of every safetensors file of the checkpoint
-(the test regenerates the random checkpoint and checks it is byte-identical) and the
+(the test regenerates the random checkpoint and checks it is byte-identical), the checkpoint's
+`config.json` (for a random one, its model name and seed as `_name` and `_seed`) and the
 transformers/torch versions that made the goldens.
 
 Runs under a Python with torch and transformers, which kernjax itself does not need; a separate
@@ -20,6 +21,11 @@ venv keeps them apart. To regenerate `tests/goldens/qwen3_tiny_f32_hf.npz`:
 
 The committed goldens were made with exactly those commands (CKPT_DIR a temporary directory),
 with torch 2.13.0 (CPU) and transformers 5.24.0.
+
+The GQA goldens (`tests/goldens/qwen3_tiny_gqa3_f32_hf.npz`, `..._gqa5_...`: 6 heads over 2 and
+10 over 2, `models/qwen3.py` CONFIGS) the same way, with `--model qwen3-tiny-gqa3` (`-gqa5`) in
+step 1 and the matching `--out` in step 2; they were made with torch 2.13.0 (CPU, Python 3.11)
+and transformers 5.25.0, which each file records.
 """
 
 from __future__ import annotations
@@ -94,6 +100,7 @@ def main() -> None:
         print(f"prompt {k}: {len(toks)} tokens, kept {len(pos)} rows, last argmax "
               f"{int(out[f'argmax_{k}'][-1])}")
     out["checkpoint_sha256"] = np.asarray(json.dumps(sha256s(ckpt), sort_keys=True))
+    out["config"] = np.asarray(json.dumps(cfg, sort_keys=True))
     out["versions"] = np.asarray(json.dumps({"transformers": transformers.__version__,
                                              "torch": torch.__version__,
                                              "numpy": np.__version__}, sort_keys=True))

@@ -21,7 +21,9 @@ else 16); `kv_write` stores the chunk's keys and values at `slots` (page id · r
 offset; an out-of-range slot drops a padding row), and `attn` reads every
 earlier chunk of a row's sequence through `page_table`, causal by position, visiting only the key
 blocks the item's sequences reach (`kernjax/kernels/attention.py`: plain JAX on the CPU; on CUDA GPUs
-FlashAttention-3 for bf16, a Pallas Triton kernel for float32). Page 0 is never leased, so unused page-table entries point at it. `lm_head` takes each sequence's last row of the
+the kernel its `route` picks by dtype and shape, for any heads / kv_heads: FlashAttention-3 for
+bf16 at head_dim 128, a Pallas Triton kernel for float32). Page 0 is never leased, so unused
+page-table entries point at it. `lm_head` takes each sequence's last row of the
 chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
 
 The math follows `modeling_qwen3.py`: RMSNorm in f32 cast back before the weight, q/k norms over
@@ -79,6 +81,14 @@ CONFIGS = {
     # A few layers, head_dim 32 != hidden / heads = 16, GQA group 2, tied embeddings.
     "qwen3-tiny": Config("qwen3-tiny", layers=4, hidden=64, heads=4, kv_heads=2, head_dim=32,
                          intermediate=128, vocab=512, rope_theta=10_000.0, max_positions=8192),
+    # GQA groups that are not powers of two, as Qwen3-14B's 40 / 8 = 5 (tests/test_gqa.py): 6 heads
+    # over 2 at head_dim 64 (pages of 16), 10 over 2 at head_dim 128 (pages of 128).
+    "qwen3-tiny-gqa3": Config("qwen3-tiny-gqa3", layers=2, hidden=64, heads=6, kv_heads=2,
+                              head_dim=64, intermediate=128, vocab=512, rope_theta=10_000.0,
+                              max_positions=8192),
+    "qwen3-tiny-gqa5": Config("qwen3-tiny-gqa5", layers=2, hidden=64, heads=10, kv_heads=2,
+                              head_dim=128, intermediate=128, vocab=512, rope_theta=10_000.0,
+                              max_positions=8192),
 }
 
 FILLS = ("tokens", "positions", "slots", "cu_seqlens")

@@ -64,7 +64,8 @@ def pipeline(ckpt, tmp_path_factory):
             program = fam.program(cfg, dtype=DTYPE, rows=rows, context=CONTEXT)
             path = artifacts.write(tmp_path_factory.mktemp(f"whole{rows}"), whole(program),
                                    model=model_meta(fam, cfg), checkpoint={"dir": str(ckpt)},
-                                   dtype=DTYPE, item=item_shape(program, fam.page(cfg)))
+                                   dtype=DTYPE, item=item_shape(program, fam.page(cfg)),
+                                   derive=fam.derived(dataclasses.replace(cfg, dtype=DTYPE)))
             art = artifacts.read(path)
             pipes[rows] = Pipeline([Runner(art, load_weights(art, ckpt))])
         return pipes[rows]

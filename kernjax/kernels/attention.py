@@ -17,13 +17,22 @@ row's own position is an exact no-op for it (its probabilities are 0 and its run
 does not move, or stays -inf until a key is visible). No score matrix is ever whole.
 
 Routes, chosen per platform by `jax.lax.platform_dependent` (so the traced program, and the cut
-id, are the same everywhere): on CUDA GPUs FlashAttention-3 through the FFI handler `kj_fa3`
-(`kernjax/kernels/attention_fa3.py`: bf16, head_dim 128; built by `scripts/fa3`), else the Mosaic GPU
-kernel `kernjax/kernels/attention_hopper.py` (f16, or head_dim 64: wgmma and TMA, for Hopper), else the
-Pallas Triton kernel `kernjax/kernels/attention_pallas.py` (float32 programs, other head dims);
-`blockwise` below everywhere else. The choice within CUDA is by dtype and shape only, never by
-the device present, so a program traced without a GPU is the one that runs on it. `blockwise` is
-also the GPU kernels' reference in the tests.
+id, are the same everywhere): `blockwise` below on every platform but CUDA; on CUDA GPUs the
+first of these that takes the dtype and shapes (`route`):
+- FlashAttention-3 through the FFI handler `kj_fa3` (`kernjax/kernels/attention_fa3.py`; built
+  by `scripts/fa3`): bf16, head_dim 128, pages of 16 or 128 rows;
+- the Mosaic GPU kernel `kernjax/kernels/attention_hopper.py` (wgmma and TMA, for Hopper): bf16
+  or f16, head_dim 64 or 128, pages of 16 rows;
+- the Pallas Triton kernel `kernjax/kernels/attention_pallas.py`: float32, bf16 or f16, head_dim
+  a power of two of at least 16, pages of a power of two rows;
+- `blockwise`, for the rest (a head_dim such as 80 or 96).
+Every route takes any GQA ratio (kv_heads dividing heads): FlashAttention-3 and the Mosaic GPU
+kernel read kv head h // G for query head h, and the Triton kernel rounds its tile (rows times
+the G heads of a kv head) up to a power of two, the extra slots idle (`attention_pallas.
+tile_rows`). The choice is by dtype and shape only, never by the device present, so a program
+traced without a GPU is the one that runs on it, and a whole program and each stage of its cut
+take the same route. Only the chosen route is traced into the cuda branch, so no kernel is traced
+for shapes it refuses. `blockwise` is also the GPU kernels' reference in the tests.
 """
 
 from __future__ import annotations
@@ -44,17 +53,43 @@ def page_size(head_dim: int) -> int:
     return 128 if head_dim == 128 else 16
 
 
-def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
-    """`[rows, heads, head_dim]` attention output; the arguments are the module docstring's."""
+ROUTES = ("attention_fa3", "attention_hopper", "attention_pallas", "blockwise")
+
+
+def route(dtype, q_shape, kv_shape) -> str:
+    """The name of the route (`ROUTES`: a module of `kernjax/kernels`, or `blockwise`) that runs
+    attention of q `[rows, heads, head_dim]` over kv `[pages, page, 2, kv_heads, head_dim]` of
+    `dtype` on a CUDA GPU: the first that takes them (the module docstring's list)."""
     from . import attention_fa3, attention_hopper, attention_pallas
 
-    gpu = (attention_fa3 if attention_fa3.supports(q.dtype, q.shape, kv.shape)
-           else attention_hopper if attention_hopper.supports(q.dtype, q.shape[-1], kv.shape[1])
-           else attention_pallas)
+    q_shape, kv_shape = tuple(q_shape), tuple(kv_shape)
+    if len(q_shape) != 3 or len(kv_shape) != 5 or kv_shape[2] != 2 or q_shape[2] != kv_shape[4]:
+        raise ValueError(f"attention takes q [rows, heads, head_dim] and kv [pages, page, 2, "
+                         f"kv_heads, head_dim]: q {list(q_shape)}, kv {list(kv_shape)}")
+    heads, kv_heads = q_shape[1], kv_shape[3]
+    if kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"attention needs kv_heads dividing heads: {heads} heads over "
+                         f"{kv_heads} kv heads")
+    if attention_fa3.supports(dtype, q_shape, kv_shape):
+        return "attention_fa3"
+    if attention_hopper.supports(dtype, q_shape[-1], kv_shape[1]):
+        return "attention_hopper"
+    if attention_pallas.supports(dtype, q_shape, kv_shape):
+        return "attention_pallas"
+    return "blockwise"
+
+
+def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float):
+    """`[rows, heads, head_dim]` attention output; the arguments are the module docstring's."""
+    import importlib
+
+    name = route(q.dtype, q.shape, kv.shape)
+    gpu = blockwise if name == "blockwise" else \
+        importlib.import_module(f"{__package__}.{name}").chunk_attention
     return jax.lax.platform_dependent(
         kv, q, positions, cu_seqlens, page_table,
         default=functools.partial(blockwise, scale=scale),
-        cuda=functools.partial(gpu.chunk_attention, scale=scale))
+        cuda=functools.partial(gpu, scale=scale))
 
 
 def exact(dtype):

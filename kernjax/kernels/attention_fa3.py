@@ -13,7 +13,9 @@ The function is `attention.chunk_attention`'s: each sequence's rows are the last
 (positions consecutive, the last at `positions[cu[s + 1] - 1]`), so FlashAttention's bottom-right
 causal mask over that many keys is the row-by-row rule. A row's bits do not depend on the item:
 the keys are not split, a tile never spans two sequences, and a block past a row's own position
-is masked to zero. Padding rows are zeroed by the handler. With pages of 16, an item's sequences
+is masked to zero. Any GQA ratio (kv_heads dividing heads): the instantiation packs no heads
+(`PackGQA` off), so each query head h reads kv head h // (heads / kv_heads). Padding rows are
+zeroed by the handler. With pages of 16, an item's sequences
 must not share pages (kernjax's pool never shares one): the gathered keys have room for distinct
 pages only, and the kernel stops the program if they do not fit. That room is the item's whole
 key capacity (seqs x the page table's width, at most the pool's pages), a temporary of the call:
@@ -35,7 +37,8 @@ PAGES = (16, 128)  # rows a page: gathered (csrc/fa3.cu's kPage), or read in pla
 
 
 def supports(dtype, q_shape, kv_shape) -> bool:
-    """Whether this route takes these shapes (FlashAttention-3 is built for bf16, D = 128)."""
+    """Whether this route takes these shapes (FlashAttention-3 is built for bf16, D = 128, pages
+    of `PAGES` rows; any kv_heads dividing heads)."""
     return (jnp.dtype(dtype) == jnp.bfloat16 and q_shape[-1] == 128 and kv_shape[1] in PAGES
             and q_shape[1] % kv_shape[3] == 0)
 

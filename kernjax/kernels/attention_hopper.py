@@ -3,11 +3,12 @@
 The route for f16 and head_dim 64 since 2026-12-01; bf16 with head_dim 128 runs FlashAttention-3
 (`kernjax/kernels/attention_fa3.py`), 1.2-1.4x this kernel on an H200 (`docs/bitwise.md`).
 
-The same function as `kernjax/kernels/attention_pallas.py` (the Triton kernel, kept for float32 and for
-head dims other than 64 and 128), shaped like FlashAttention-3: tensor-core products
-issued asynchronously (wgmma), keys and values brought in by the TMA, one warpgroup that only
-moves memory and two that compute, taking turns on the tensor cores (handed over one way at
-hardware named barriers, as FlashAttention-3's scheduler barriers do).
+The same function as `kernjax/kernels/attention_pallas.py` (the Triton kernel, kept for float32,
+for head dims other than 64 and 128 and for f16 on pages of 128 rows), shaped like
+FlashAttention-3: tensor-core products issued asynchronously (wgmma), keys and values brought
+in by the TMA, one warpgroup that only moves memory and two that compute, taking turns on the
+tensor cores (handed over one way at hardware named barriers, as FlashAttention-3's scheduler
+barriers do).
 
 Work split. A CTA takes `2 * block_q` consecutive rows of one sequence (a *tile*) for one query
 head; compute warpgroup w owns rows `w * block_q ..` of the tile. Tiles are found by walking
@@ -32,6 +33,9 @@ to add exactly nothing, the values it meets must be finite: on its last step the
 rows of the value block past its last position (a page's unused slots, pages past the context),
 so stale pages may hold anything, NaN included. No split-K, no atomics: the same bits run after
 run.
+
+GQA: a CTA takes one query head h and its memory warpgroup copies kv head h // G (G = H / KV),
+so any G works (kv_heads dividing heads), 3 and 5 included (`tests/test_gqa.py`).
 
 Requirements: bf16 or f16; D 64 or 128 (with block_kv 128 and 2 steps, D 192 or 256 would need
 more than the 227 KiB of shared memory a CTA may have); the rows of one sequence at
@@ -109,7 +113,8 @@ _unnumbered_kernel_modules()
 
 
 def supports(q_dtype, head_dim: int, page: int = PAGE) -> bool:
-    """Whether this kernel takes the shape (pages of 16 rows); the Triton kernel takes the rest."""
+    """Whether this kernel takes the dtype, head_dim and page (rows a page: 16); any GQA ratio
+    (a CTA reads kv head h // G for its query head h). `attention.route` routes the rest."""
     return jnp.dtype(q_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and \
         head_dim in (64, 128) and page == PAGE
 

@@ -8,10 +8,16 @@ two). The chunk's own keys are already in the pages, so the mask is causal by ab
 
 Grid `(tiles, kv heads)`. A tile is `block_q` consecutive rows of one sequence, starting at
 `cu_seqlens[s] + t * block_q`, times the `G = H / KV` query heads that share kv head `h` (GQA): its
-M dimension is `block_q * G` (slot `i` is row `i // G`, head `h * G + i % G`), so a key/value block
-is loaded once for all `G` heads. Program `j` finds its (sequence, tile) by walking `cu_seqlens`
-(a static loop of scalar loads); there are `rows // block_q + seqs + 1` tile slots, enough for any
-`cu_seqlens`, and the unused ones exit at once. Tiles are taken from the end, so the longest
+M dimension is `block_q * G` rounded up to a power of two, at least 16 (`tile_rows`; slot `i <
+block_q * G` is row `i // G`, head `h * G + i % G`; the slots past it load no query and store
+nothing), so a key/value block is loaded once for all `G` heads. Any `G` works: a power of two
+fills the tile (`block_q` 32 by default: 128 slots for Qwen3-4B's G = 4), another takes the most
+rows that fit 128 slots (42 rows for G = 3, 126 slots; 25 for G = 5, 125 slots). A slot's
+products are its own row's and head's, so what the idle slots hold changes no bit of the others.
+
+Program `j` finds its (sequence, tile) by walking `cu_seqlens` (a static loop of scalar loads);
+there are `rows // block_q + seqs + 1` tile slots, enough for any `cu_seqlens`, and the unused
+ones exit at once. Tiles are taken from the end, so the longest
 (largest positions) start first. After the sequences comes one more segment, the padding rows
 `cu_seqlens[seqs] .. rows - 1`, whose tiles write zeros.
 
@@ -27,7 +33,8 @@ Keys are gathered per key: the page of key j is `page_table[s, j // P]`, and its
 viewed as `[pages * P * 2 * KV, D]` is `((page * P + j % P) * 2 + 0|1) * KV + h`. Loads past
 the tile's last position are masked (never read), so stale pages can hold anything, even NaN.
 
-Requirements (Triton): `block_q * G`, `block_k` and `D` powers of two, each at least 16.
+Requirements (Triton): `block_k` and `D` powers of two, each at least 16; pages of a power of two
+rows (`supports`, which `kernjax/kernels/attention.py` asks before it routes a shape here).
 
 Lowering without a GPU (jax 0.11.2): the Triton lowering asks the device for its compute
 capability, so lower (or `jax.export` with `platforms=["cuda"]`) under
@@ -54,7 +61,7 @@ MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads, kv_heads,
-            width, page, scale, block_q, block_k):
+            width, page, scale, block_q, block_k, tile):
     groups = heads // kv_heads
     # Program j takes the j-th tile from the end of the list of every segment's tiles, segments
     # being the sequences and then the padding rows: the longest tiles start first.
@@ -72,9 +79,11 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads,
         r0 = jnp.where(hit, a + (j - first) * block_q, r0)
         end = jnp.where(hit, b, end)
         first = first + n
-    i = jnp.arange(block_q * groups)  # tile slot i: row i // G, query head h * G + i % G
+    i = jnp.arange(tile)  # tile slot i < block_q * G: row i // G, query head h * G + i % G
     row = r0 + i // groups
     row_ok = row < end
+    if tile > block_q * groups:  # the slots past block_q * G idle
+        row_ok = row_ok & (i < block_q * groups)
     q_rows = row * heads + h * groups + i % groups  # rows of q viewed as [rows * H, D]
     col = jnp.arange(q_ref.shape[-1])[None, :]
     out = o_ref.at[q_rows[:, None], col]
@@ -126,44 +135,74 @@ def _kernel(cu_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, *, seqs, rows, heads,
         plgpu.store(out, (acc / l_i[:, None]).astype(o_ref.dtype), mask=row_ok[:, None])
 
 
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _pow2(n: int) -> bool:
+    return n >= 1 and not n & (n - 1)
+
+
+def supports(dtype, q_shape, kv_shape) -> bool:
+    """Whether this kernel takes these shapes: q `[rows, H, D]` and kv `[pages, P, 2, KV, D]` of
+    `dtype` (float32, bf16 or f16) with D a power of two of at least 16, P a power of two and KV
+    dividing H (any ratio: `tile_rows`)."""
+    rows, heads, d = q_shape
+    pages, page, two, kv_heads, dk = kv_shape
+    return (jnp.dtype(dtype) in DTYPES and d == dk and d >= 16 and _pow2(d) and _pow2(page)
+            and two == 2 and kv_heads >= 1 and heads % kv_heads == 0)
+
+
+def tile_rows(groups: int, block_q: int | None = None) -> tuple[int, int]:
+    """`(block_q, tile)`: query rows a tile takes and its height in slots (`block_q * groups`
+    rounded up to a power of two, at least 16). By default 32 rows for a power-of-two `groups`
+    (a tile of 32 * groups: 128 for G = 4), else the most rows whose slots fit 128 (at least 1)."""
+    if block_q is None:
+        block_q = 32 if _pow2(groups) else max(1, 128 // groups)
+    if block_q < 1:
+        raise ValueError(f"block_q = {block_q} must be at least 1")
+    return block_q, max(16, 1 << (block_q * groups - 1).bit_length())
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "interpret",
                                              "num_warps", "num_stages"))
 def chunk_attention(kv, q, positions, cu_seqlens, page_table, *, scale: float,
-                    block_q: int = 32, block_k: int = 64, interpret: bool = False,
+                    block_q: int | None = None, block_k: int = 64, interpret: bool = False,
                     num_warps: int | None = None, num_stages: int | None = None) -> jax.Array:
     """Paged, packed, bottom-right causal attention for one prefill chunk.
 
     kv: `[pages, P, 2, KV, D]` (axis 2: 0 keys, 1 values); q: `[rows, H, D]`, same dtype (bf16,
-    or f32 for tests); positions: int32 `[rows]`; cu_seqlens: int32 `[seqs + 1]`; page_table:
-    int32 `[seqs, width]`; scale: the softmax scale (static).
+    f16, or f32); positions: int32 `[rows]`; cu_seqlens: int32 `[seqs + 1]`; page_table:
+    int32 `[seqs, width]`; scale: the softmax scale (static). Any H / KV (`supports`).
 
-    block_q: query rows per tile; the tile is `block_q * H / KV` tall, so the default 32 makes it
-    128 for H / KV = 4 (Qwen3). block_k: keys per block. num_warps / num_stages: Triton's, by
-    default 8 / 3 for a 128 x 128 tile of q (for sm_90a, Triton 3.9 + ptxas compile a 128-tall
-    tile with block_k 64 into 244 registers without spills; a 256-tall one spills).
+    block_q: query rows per tile (`tile_rows`); the tile is `block_q * H / KV` slots rounded up
+    to a power of two, so the default (32 rows for a power-of-two H / KV) makes it 128 for
+    H / KV = 4 (Qwen3-4B), and 126 of 128 slots for H / KV = 3 (42 rows). block_k: keys per
+    block. num_warps / num_stages: Triton's, by default 8 / 3 for a 128 x 128 tile of q (for
+    sm_90a, Triton 3.9 + ptxas compile a 128-tall tile with block_k 64 into 244 registers without
+    spills; a 256-tall one spills).
     interpret: run in Pallas interpret mode (CPU tests).
     Returns `[rows, H, D]` in q's dtype; padding rows (`cu_seqlens[seqs]` on) are zero.
     """
     pages, page, two, kv_heads, d = kv.shape
     rows, heads, dq = q.shape
     seqs, width = page_table.shape
-    groups = heads // kv_heads
-    if (page < 1 or page & (page - 1) or two != 2 or dq != d or heads % kv_heads
-            or kv.dtype != q.dtype):
-        raise ValueError(f"bad shapes: kv {kv.shape} {kv.dtype}, q {q.shape} {q.dtype}")
+    if kv.dtype != q.dtype or not supports(q.dtype, q.shape, kv.shape):
+        raise ValueError(f"the Triton kernel takes float32, bf16 or f16 q [rows, H, D] and kv "
+                         f"[pages, P, 2, KV, D] of one dtype, D a power of two >= 16, P a power "
+                         f"of two, KV dividing H: kv {kv.shape} {kv.dtype}, q {q.shape} {q.dtype}")
     if cu_seqlens.shape != (seqs + 1,) or positions.shape != (rows,):
         raise ValueError(f"bad shapes: cu_seqlens {cu_seqlens.shape}, positions {positions.shape}")
-    for name, n in (("block_q * H / KV", block_q * groups), ("block_k", block_k), ("D", d)):
-        if n < 16 or n & (n - 1):
-            raise ValueError(f"{name} = {n} must be a power of two >= 16")
-    tile = block_q * groups
+    if block_k < 16 or not _pow2(block_k):
+        raise ValueError(f"block_k = {block_k} must be a power of two >= 16")
+    groups = heads // kv_heads
+    block_q, tile = tile_rows(groups, block_q)
     if num_warps is None:
         num_warps = 8 if tile * d >= 128 * 128 else 4
     if num_stages is None:
         num_stages = 3 if d <= 128 else 2
     kernel = functools.partial(
         _kernel, seqs=seqs, rows=rows, heads=heads, kv_heads=kv_heads, width=width, page=page,
-        scale=float(scale), block_q=block_q, block_k=block_k)
+        scale=float(scale), block_q=block_q, block_k=block_k, tile=tile)
     out = pl.pallas_call(
         kernel,
         grid=(rows // block_q + seqs + 1, kv_heads),  # enough tiles for any cu_seqlens
