@@ -14,24 +14,26 @@ Prints ms, the kernel against `xla`, whether its residual is XLA's bit for bit (
 rounded add), and the largest difference of its normed rows from XLA's (the sum of squares may be
 added in another order).
 
-    python experiments/add_norm.py --rows 512,2048,8192
-    python experiments/add_norm.py --rows 64 --interpret   # on a CPU: Pallas interpret mode
+`--out DIR` writes the table with the run's record (results.json, README.md).
+
+    python -m experiments.add_norm --rows 512,2048,8192
+    python -m experiments.add_norm --rows 64 --interpret   # on a CPU: Pallas interpret mode
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernjax  # noqa: E402,F401  (its XLA flags, as the model's calls compile)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
-from gemms import fenced, timed  # noqa: E402  (a call's barriers; median ms of rounds)
+import kernjax  # noqa: F401  (its XLA flags, as the model's calls compile)
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from experiments import harness
+from experiments.harness import fenced, timed  # a call's barriers; median ms of rounds
 
 D, EPS = 2560, 1e-6  # qwen3-4b
 
@@ -73,22 +75,24 @@ def main() -> None:
     ap.add_argument("--configs", default="1x4;2x4;4x4;4x8;8x8",
                     help="block rows x warps per kernel, ';' between")
     ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU)")
+    ap.add_argument("--out", default=None, help="a directory for results.json and README.md")
     a = ap.parse_args()
-    from models.qwen3 import add_norm as model_add_norm
+    from kernjax.models.qwen3 import add_norm as model_add_norm
 
     xla = jax.jit(fenced(functools.partial(model_add_norm, eps=EPS)))
     k = jax.random.split(jax.random.key(0), 3)
     w = (1 + 0.1 * jax.random.normal(k[2], (D,), jnp.float32)).astype(jnp.bfloat16)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; add + RMSNorm, D={D}",
-          flush=True)
-    print("| rows | kernel | ms | / xla | residual = xla's | max diff of normed vs xla |\n"
-          "|---:|---|---:|---:|---|---:|", flush=True)
+    report = harness.Report("The residual add and the next RMSNorm as one kernel, against XLA's",
+                            __doc__.split("\n\n")[0])
+    report.note(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; add + RMSNorm, D={D}")
+    report.table("rows", "kernel", "ms", "/ xla", "residual = xla's", "max diff of normed vs xla",
+                 right="rlrrlr")
     for rows in map(int, a.rows.split(",")):
         y, h = (jax.random.normal(kk, (rows, D), jnp.float32).astype(jnp.bfloat16) for kk in k[:2])
         ref_n, ref_s = xla(y, h, w)
         t_xla = None if a.interpret else timed(xla, (y, h, w), a.iters)
         if t_xla is not None:
-            print(f"| {rows} | xla | {t_xla:.4f} | 1.000 | | |", flush=True)
+            report.row(rows, "xla", f"{t_xla:.4f}", "1.000", "", "")
         for cfg in a.configs.split(";"):
             bm, warps = map(int, cfg.split("x"))
             fn = jax.jit(functools.partial(add_norm, block_rows=bm, warps=warps,
@@ -97,13 +101,14 @@ def main() -> None:
                 n, s = fn(y, h, w)
                 ms = None if a.interpret else timed(fn, (y, h, w), a.iters)
             except Exception as e:  # a config Triton refuses: say so, go on
-                print(f"| {rows} | triton {cfg} | {type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0][:120]} | | | |", flush=True)
+                report.row(rows, f"triton {cfg}", f"{type(e).__name__}: "
+                           f"{(str(e).splitlines() or [''])[0][:120]}", "", "", "")
                 continue
             same = np.asarray(s).tobytes() == np.asarray(ref_s).tobytes()
             diff = float(np.max(np.abs(np.asarray(n, np.float32) - np.asarray(ref_n, np.float32))))
-            t = "interpreted" if ms is None else f"{ms:.4f} | {ms / t_xla:.3f}"
-            print(f"| {rows} | triton {cfg} | {t} | {same} | {diff:.3g} |", flush=True)
+            t = ["interpreted", ""] if ms is None else [f"{ms:.4f}", f"{ms / t_xla:.3f}"]
+            report.row(rows, f"triton {cfg}", *t, same, f"{diff:.3g}")
+    report.write(a.out and Path(a.out))
 
 
 if __name__ == "__main__":

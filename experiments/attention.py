@@ -14,7 +14,7 @@ reversed every other round, and takes the median of the rounds: an A/B of a few 
 noise until it holds both ways (`docs/lessons.md`). With `nvidia-smi` present each row also
 gets the SM clock its timed calls ran at (median of samples every 20 ms): the H200 here is held
 at 700 W, so a row's rate follows its clock (`experiments/clocks.py`). Prints a table; --out
-writes it as JSON.
+writes it as JSON, with the run's record (experiments/harness.py).
 
 Anchors (`--kernel torch-cudnn,torch-flash,jax-cudnn`): the same function on dense tensors (the
 keys gathered out of the pages first, one sequence), timed in the same rounds: torch's
@@ -26,11 +26,11 @@ read no page table; they say what a vendor kernel reaches on this GPU at the sam
 like the chunk), built by `scripts/fa3` with kernjax's own route and found where `kj_fa3` finds
 it (`kernjax.kernels.ffi.fa3_path()`).
 
-    python experiments/attention.py                      # each kernel's default config
-    python experiments/attention.py --sweep --out attention.json
-    python experiments/attention.py --kernel hopper,hopper-mbarrier --rounds 4
-    python experiments/attention.py --kernel hopper,torch-cudnn --cases 8192:8192 --rounds 4
-    python experiments/attention.py --kernel triton --interpret --small  # CPU smoke test
+    python -m experiments.attention                      # each kernel's default config
+    python -m experiments.attention --sweep --out attention.json
+    python -m experiments.attention --kernel hopper,hopper-mbarrier --rounds 4
+    python -m experiments.attention --kernel hopper,torch-cudnn --cases 8192:8192 --rounds 4
+    python -m experiments.attention --kernel triton --interpret --small  # CPU smoke test
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 import warnings
@@ -49,12 +48,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
+from experiments import harness
 from kernjax.kernels import attention_fa3
 from kernjax.kernels import attention_hopper
 from kernjax.kernels import attention_pallas
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import clocks  # noqa: E402  (experiments/clocks.py: nvidia-smi's samples)
 
 warnings.filterwarnings("ignore", message=".*Pallas Triton backend is deprecated.*")
 
@@ -258,7 +255,7 @@ def main():
     print(f"backend {jax.default_backend()} ({jax.devices()[0].device_kind}), H={heads} "
           f"KV={kv_heads} D={d} bf16, interpret={a.interpret}", flush=True)
     smi_file = Path(tempfile.mkdtemp()) / "smi.csv"
-    smi = clocks.sample(smi_file)
+    smi = harness.sample(smi_file)
 
     results = []
     for c, k in cases:
@@ -329,10 +326,10 @@ def main():
     if smi is not None:  # read once nvidia-smi has ended: it writes its file in blocks
         smi.terminate()
         smi.wait()
-        samples = clocks.read_samples(smi_file)
+        samples = harness.read_samples(smi_file)
     shutil.rmtree(smi_file.parent, ignore_errors=True)
     for r in results:
-        r["clock"] = clocks.during(samples, r.pop("spans", []))
+        r["clock"] = harness.during(samples, r.pop("spans", []))
     print("\n|     C |      K | kernel, config     |       ms | TFLOP/s | SM MHz, W |")
     print("|------:|-------:|:-------------------|---------:|--------:|----------:|")
     for r in results:
@@ -343,8 +340,9 @@ def main():
         print(f"| {r['C']:5d} | {r['K']:6d} | {name.strip():18s} | {t} | {ck:>9} |")
     if a.out:
         with open(a.out, "w") as f:
-            json.dump(dict(device=jax.devices()[0].device_kind, heads=heads, kv_heads=kv_heads,
-                           head_dim=d, results=results), f, indent=1)
+            json.dump(dict(record=harness.record(), device=jax.devices()[0].device_kind,
+                           heads=heads, kv_heads=kv_heads, head_dim=d, results=results), f,
+                      indent=1)
         print(f"wrote {a.out}")
 
 

@@ -19,22 +19,21 @@ program kept, XLA's per-fusion autotune results shared). `--layouts oi,io` times
 its weights stored [in, out] (the model holds them [out, in]). docs/bitwise.md item 3 reads the
 results.
 
-    python experiments/autotune.py --rows 512,8192 --sets timed,kernjax,kernjax-again
+    python -m experiments.autotune --rows 512,8192 --sets timed,kernjax,kernjax-again
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
+from experiments import harness
+
 DET = "--xla_gpu_exclude_nondeterministic_ops=true"  # XLA takes each GEMM's first config, untimed
 SETS = {"kernjax": "", "kernjax-again": "", "timed": "--xla_gpu_exclude_nondeterministic_ops=false",
         "det": DET, "det-again": DET, "level0": "--xla_gpu_autotune_level=0",
@@ -48,10 +47,11 @@ D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv head
 
 
 def child(rows: list[int], iters: int, layouts: list[str]) -> dict:
-    sys.path[:0] = [str(HERE.parents[1]), str(HERE.parent)]
-    import kernjax  # noqa: F401,E402  (its XLA flags, unless XLA_FLAGS names them)
+    import kernjax  # noqa: F401  (its XLA flags, unless XLA_FLAGS names them)
     import jax
-    from gemms import layer_cases, operands, timed  # the model's GEMM calls; timed: median ms
+
+    from experiments.gemms import layer_cases, operands  # the model's GEMM calls
+    from experiments.harness import timed  # median ms of rounds
 
     out = {}
     cases = {}
@@ -136,7 +136,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             tmp = Path(tmp)
             xla_dir = Path(shared.name if "-shared" in label else tmp) / "xla"
-            env = dict(os.environ, KERNJAX_XLA_CACHE=str(xla_dir))
+            env = harness.child_env(KERNJAX_XLA_CACHE=str(xla_dir))
             if "-shared" in label:  # no program kept: each compiles, its autotune results shared
                 env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "1000000"
             env.update(TF_CPP_VMODULE="autotuner_pass=1", TF_CPP_MIN_LOG_LEVEL="0")
@@ -145,7 +145,7 @@ def main() -> None:
                                 f"--xla_gpu_dump_autotune_results_to={tmp}/tuned.txt "
                                 f"--xla_gpu_dump_autotune_logs_to={tmp}/tuning-log.txt").strip()
             t = time.perf_counter()
-            p = subprocess.run([sys.executable, str(HERE), "--child", "--rows", a.rows, "--iters",
+            p = subprocess.run([*harness.module("autotune"), "--child", "--rows", a.rows, "--iters",
                                 str(a.iters), "--sizes", a.sizes, "--layouts", a.layouts],
                                env=env, capture_output=True,
                                text=True)

@@ -5,9 +5,10 @@ call inlined bare, `trace.as_function(fences=False)`: XLA free to fuse across th
 The chunk is the last one of a `context`-token prompt, so attention reads the full context.
 Weights are random on the device; states are donated and fed back, as the runtime does. Prints
 one line: median milliseconds of each over `--iters` runs and whether their logits are bitwise
-equal (they need not be: the boundaries change fusion, which is the point).
+equal (they need not be: the boundaries change fusion, which is the point); `--out DIR` writes
+them with the run's record (results.json, README.md).
 
-    python experiments/boundaries.py --model qwen3-tiny --rows 512 --context 4096
+    python -m experiments.boundaries --model qwen3-tiny --rows 512 --context 4096
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 
 import kernjax  # noqa: F401  (sets the deterministic XLA flags before jax starts)
 import jax
@@ -23,6 +25,7 @@ import jax.numpy as jnp
 from jax import export
 import numpy as np
 
+from experiments import harness
 from kernjax import models
 from kernjax.core.cut import whole
 from kernjax.core.item import Piece, item_shape, make_item
@@ -53,6 +56,7 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--xla_flags", default="", help="appended to XLA_FLAGS after kernjax's own")
+    ap.add_argument("--out", default=None, help="a directory for results.json and README.md")
     a = ap.parse_args()
     if a.xla_flags:
         os.environ["XLA_FLAGS"] += " " + a.xla_flags
@@ -88,6 +92,12 @@ def main():
     t_f, out_f = _time(free, [jnp.copy(x) for x in args], back, a.iters)
 
     same = np.asarray(out_b[logits]).tobytes() == np.asarray(out_f[logits]).tobytes()
+    report = harness.Report(f"What the call boundaries cost: {a.model}, {a.rows} rows at the end "
+                            f"of {a.context} tokens", __doc__.split("\n\n")[0])
+    report.table("rows", "context", "bounded ms", "unconstrained ms", "ratio",
+                 "logits bitwise equal", right="rrrrrl")
+    report.row(a.rows, a.context, f"{t_b:.2f}", f"{t_f:.2f}", f"{t_b / t_f:.3f}", same)
+    report.write(a.out and Path(a.out), bounded_ms=t_b, unconstrained_ms=t_f, same=same)
     print(f"{a.model} {a.dtype} rows {a.rows} context {a.context} on {jax.devices()[0].device_kind}"
           f" (jax {jax.__version__}): bounded {t_b:.2f} ms, unconstrained {t_f:.2f} ms, "
           f"ratio {t_b / t_f:.3f}; {a.rows / t_b * 1e3:.0f} vs {a.rows / t_f * 1e3:.0f} tokens/s; "

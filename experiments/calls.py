@@ -6,10 +6,10 @@ layer of a dense model, the layers of one kind in a hybrid) takes that time unle
 The attention call reads the KV state: its positions are set so the chunk sits at the end of
 `--context` tokens (one sequence), so it does the work of the last chunk of such a prompt.
 Prints a table (ms per call, share of the sum) and, with `--out`, writes JSON with every call's
-time (`measured` false where it was taken from its twin): the profile `kernjax cut --at auto
---profile` reads.
+time (`measured` false where it was taken from its twin) and the run's record
+(experiments/harness.py): the profile `kernjax cut --at auto --profile` reads.
 
-    python experiments/calls.py --model qwen3-4b --rows 512 --context 8192 --out calls.json
+    python -m experiments.calls --model qwen3-4b --rows 512 --context 8192 --out calls.json
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax.extend.core as jex
 import numpy as np
 from jax import export
 
+from experiments import harness
 from kernjax import models
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.core.trace import as_function, states_of
@@ -78,16 +79,17 @@ def main():
         per_layer[suffix(name)] = per_layer.get(suffix(name), 0.0) + ms
         rows.append({"call": k, "name": name, "ms": ms, "measured": True})
     total = sum(per_layer.values())
-    print(f"{a.model} {a.dtype} rows {a.rows}, chunk at the end of {a.context} tokens, on "
-          f"{jax.devices()[0].device_kind} (jax {jax.__version__}), median of {a.iters}")
-    print("| call | ms (all layers) | share |\n|---|---:|---:|")
+    harness.say(f"{a.model} {a.dtype} rows {a.rows}, chunk at the end of {a.context} tokens, on "
+                f"{jax.devices()[0].device_kind} (jax {jax.__version__}), median of {a.iters}")
+    harness.say("| call | ms (all layers) | share |\n|---|---:|---:|")
     for key, ms in sorted(per_layer.items(), key=lambda kv: -kv[1]):
-        print(f"| {key} | {ms:.3f} | {100 * ms / total:.1f} % |")
-    print(f"| sum | {total:.3f} | |")
+        harness.say(f"| {key} | {ms:.3f} | {100 * ms / total:.1f} % |")
+    harness.say(f"| sum | {total:.3f} | |")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"model": a.model, "rows": a.rows, "context": a.context,
-                       "device": jax.devices()[0].device_kind, "calls": rows}, f, indent=1)
+                       "device": jax.devices()[0].device_kind, "record": harness.record(),
+                       "calls": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

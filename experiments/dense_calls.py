@@ -15,28 +15,30 @@ kernels give the bits of each other (fused = apart; the residual = XLA's, one ro
 how far from XLA's their results are (largest difference in bf16 steps of its head's largest
 value, and the share of elements that differ).
 
-    python experiments/dense_calls.py --rows 512,2048,8192
+The kernels are on (`Lowering(dense_cuda=True)`, `kernjax.core.lowering`) whatever the caller's
+default; `--out DIR` writes the table with the run's record (results.json, README.md).
+
+    python -m experiments.dense_calls --rows 512,2048,8192
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-os.environ["KERNJAX_DENSE_CUDA"] = "1"  # the kernels are what it times
-import kernjax  # noqa: E402,F401  (its XLA flags, as the model's calls compile)
-import jax  # noqa: E402
-import jax.extend.core as jex  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from gemms import fenced  # noqa: E402  (a call's barriers)
+import kernjax  # noqa: F401  (its XLA flags, as the model's calls compile)
+import jax
+import jax.extend.core as jex
+import jax.numpy as jnp
+import numpy as np
 
-from models import dense_cuda, qwen3  # noqa: E402
+from experiments import harness
+from experiments.harness import fenced  # a call's barriers
+from kernjax.core import lowering
+from kernjax.kernels import dense_cuda
+from kernjax.models import qwen3
 
 GROUP = ("q_norm", "k_norm", "rope", "kv_write")
 
@@ -123,11 +125,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="512,2048,8192")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=None, help="a directory for results.json and README.md")
     a = ap.parse_args()
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b shapes, bf16; "
-          f"median of 5 rounds of {a.iters} runs", flush=True)
-    print("| rows | calls | ms | / xla | bits | max steps from xla | share differing |\n"
-          "|---:|---|---:|---:|---|---:|---:|", flush=True)
+    report = harness.Report("A dense layer's small calls as csrc/dense.cu's kernels against XLA's",
+                            __doc__.split("\n\n")[0])
+    report.note(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b shapes, bf16; "
+                f"median of 5 rounds of {a.iters} runs")
+    report.table("rows", "calls", "ms", "/ xla", "bits", "max steps from xla", "share differing",
+                 right="rlrrlrr")
+    with lowering.use(lowering.Lowering(dense_cuda=True)):  # the kernels are what it times
+        run(a, report)
+    report.write(a.out and Path(a.out))
+
+
+def run(a, report) -> None:
     for rows in map(int, a.rows.split(",")):
         calls, cfg = layer0(rows)
         args = inputs(rows, cfg)
@@ -143,9 +154,9 @@ def main() -> None:
                 for x, y in zip(outs["fused"], outs["apart"])) else
                 "" if name == "apart" else "DIFFER from apart")
             d = [steps(x, y) for x, y in zip(outs[name], ref)]
-            print(f"| {rows} | qk {name} | {ms:.4f} | {ms / base:.3f} | {bits} | "
-                  f"{', '.join(f'{s:.2f}' for s, _ in d)} | "
-                  f"{', '.join(f'{100 * f:.2f}%' for _, f in d)} |", flush=True)
+            report.row(rows, f"qk {name}", f"{ms:.4f}", f"{ms / base:.3f}", bits,
+                       ", ".join(f"{s:.2f}" for s, _ in d),
+                       ", ".join(f"{100 * f:.2f}%" for _, f in d))
         k = jax.random.split(jax.random.key(1), 3)
         y, h = (jax.random.normal(kk, (rows, cfg.hidden)).astype(jnp.bfloat16) for kk in k[:2])
         w = (1 + 0.1 * jax.random.normal(k[2], (cfg.hidden,))).astype(jnp.bfloat16)
@@ -159,9 +170,9 @@ def main() -> None:
             n, s = jax.jit(fn)(y, h, w)
             same = np.asarray(s).tobytes() == np.asarray(rs).tobytes()
             (dn, fn_), (ds, _) = steps(n, rn), steps(s, rs)
-            print(f"| {rows} | add_norm {name} | {ms:.4f} | {ms / base:.3f} | "
-                  f"{'residual = xla' if same else 'residual DIFFERS'} | {dn:.2f}, {ds:.2f} | "
-                  f"{100 * fn_:.2f}% |", flush=True)
+            report.row(rows, f"add_norm {name}", f"{ms:.4f}", f"{ms / base:.3f}",
+                       "residual = xla" if same else "residual DIFFERS", f"{dn:.2f}, {ds:.2f}",
+                       f"{100 * fn_:.2f}%")
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ For each, the median time of one issue on the host, the wall time per item over 
 the GPU's own time per item (one item alone, waited for). An issue that takes the GPU's time
 means the host waits for the device on every item, and no item overlaps the next one's launch.
 
-    python experiments/dispatch.py            # one GPU; on the CPU it runs, and means little
-    python experiments/dispatch.py --ops dev,same --calls compiled --effects 0 --every_layer \\
+    python -m experiments.dispatch            # one GPU; on the CPU it runs, and means little
+    python -m experiments.dispatch --ops dev,same --calls compiled --effects 0 --every_layer \\
         --xla_modes default,nocb,skip_profiled
 """
 
@@ -43,7 +43,8 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from experiments import harness
+
 FLAGS = {"default": "", "nocb": "--xla_gpu_enable_command_buffer=",
          "skip_profiled": "--xla_gpu_command_buffer_update_mode=SKIP_PROFILED"}
 
@@ -138,13 +139,13 @@ def main() -> int:
     for mode in a.xla_modes.split(","):
         if mode not in FLAGS:
             ap.error(f"--xla_modes: {mode!r} is not one of {', '.join(FLAGS)}")
-        env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} {FLAGS[mode]}"}
+        env = harness.child_env(XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {FLAGS[mode]}")
         argv, skip = [], False
         for x in sys.argv[1:]:  # all but --xla_modes and its value
             if not skip and not x.startswith("--xla_modes"):
                 argv.append(x)
             skip = x == "--xla_modes"
-        p = subprocess.run([sys.executable, __file__, *argv, "--xla_modes", mode, "--child"],
+        p = subprocess.run([*harness.module("dispatch"), *argv, "--xla_modes", mode, "--child"],
                            env=env, capture_output=True, text=True, timeout=600)
         got = [json.loads(x) for x in p.stdout.splitlines() if x.startswith("{")]
         print(p.stdout, end="", flush=True)
@@ -163,7 +164,7 @@ def main() -> int:
         print(f"| {r['xla']} | {r['ops']} | {r['call']} | {r['effect']} | {r['issue_ms']:.3f} | "
               f"{r['put_ms']:.3f} | {r['wall_ms_per_item']:.3f} | {r['alone_ms']:.3f} |")
     if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
+        Path(a.out).write_text(json.dumps({"record": harness.record(), "rows": rows}, indent=1))
     return 0
 
 

@@ -35,7 +35,8 @@ ran slower, alone and in the program (2026-12-04; `gemm`'s `regs_a` at `920948a`
 then found the tensor pipe idle ~12 % of the fused GEMM's cycles at the tiles' edges; a config's
 eighth field `X` runs one pipeline across each CTA's tiles (`gemm`'s `across`, four steps), so
 that the producer loads the next tile while the warpgroups run the epilogue (roadmap K15; what
-the model runs with `KERNJAX_MLP_ACROSS=1`). In that profile the epilogue's samples sit in
+the model runs with `kernjax cut --mlp_across`; here `--lowering mlp_across=true` for the `model`
+tiling). In that profile the epilogue's samples sit in
 conversions (F2F, a quarter-rate instruction: 128 a thread a tile for gate and up) and silu·mul's
 `ex2`/`rcp`. On an H200 (2026-12-04, experiments/results/2026-12-04-h200-k15-schedules/), in the
 8k program: `across` within 0.2 ms of a pipeline a tile; gate and up rounded by integer
@@ -43,10 +44,15 @@ operations (`f7e1922`) 1.2 ms slower, by packed conversions (`cvt.rn.bf16x2.f32`
 within 0.1 ms; the warpgroups on tiles of their own in turns (ping-pong, `cedeaef`) 2.9 ms
 slower. Those three left the model; their commits hold them (roadmap K15).
 
-    python experiments/fused_mlp.py --rows 512,2048,8192
-    python experiments/fused_mlp.py --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
-    python experiments/fused_mlp.py --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model"
-    python experiments/fused_mlp.py --rows 512 --lower   # on a CPU: lower only, run nothing
+`--lowering KNOB=VALUE,...` (`kernjax.core.lowering.Lowering`, as `kernjax cut`'s options) sets
+the knobs `model` reads (`mlp_tile`, `mlp_across`); `--out DIR` writes the table with the run's
+record (results.json, README.md).
+
+    python -m experiments.fused_mlp --rows 512,2048,8192
+    python -m experiments.fused_mlp --rows 8192 --tiles model --epilogues exact,mul,tanh,exact,mul
+    python -m experiments.fused_mlp --rows 8192 --tiles "model;128,128,64,4,N,M,8,X;model"
+    python -m experiments.fused_mlp --rows 8192 --tiles model --lowering mlp_tile=64x256
+    python -m experiments.fused_mlp --rows 512 --lower   # on a CPU: lower only, run nothing
 """
 
 from __future__ import annotations
@@ -54,17 +60,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernjax  # noqa: E402,F401  (its XLA flags, as the model's calls compile)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from gemms import fenced, timed  # noqa: E402  (a call's barriers; median ms of rounds)
-from models import mlp_hopper  # noqa: E402
-from models.mlp_hopper import gemm, silu_mul_f32, silu_mul_kernel, tiling  # noqa: E402
+import kernjax  # noqa: F401  (its XLA flags, as the model's calls compile)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from experiments.harness import fenced, timed  # a call's barriers; median ms of rounds
+from kernjax.core import lowering
+from kernjax.kernels import mlp_hopper
+from kernjax.kernels.mlp_hopper import gemm, silu_mul_f32, silu_mul_kernel, tiling
 
 D, F = 2560, 9728  # qwen3-4b: hidden, MLP
 
@@ -109,7 +116,7 @@ def config(text: str) -> tuple[str, dict]:
 
 def for_h200(fn, *args) -> str:
     """`fn` lowered for an H200 (132 SMs) on any machine, as text."""
-    from models.attention_hopper import on_h200
+    from kernjax.kernels.attention_hopper import on_h200
 
     return on_h200(fn, *args, num_cores=132).as_text(debug_info=False)
 
@@ -129,10 +136,22 @@ def main() -> None:
     ap.add_argument("--epilogues", default="exact",
                     help=f"the fused GEMM's epilogues to time, of {','.join(EPILOGUES)} (above)")
     ap.add_argument("--lower", action="store_true", help="lower the kernels only (a CPU can)")
+    ap.add_argument("--lowering", default="", help="kernjax's kernel knobs, KNOB=VALUE,... of "
+                    "kernjax.core.lowering.Lowering: what `model` tiles by")
+    ap.add_argument("--out", default=None, help="a directory for results.json and README.md")
     a = ap.parse_args()
     for bad in set(a.epilogues.split(",")) - set(EPILOGUES):
         ap.error(f"--epilogues: {bad!r} is not one of {','.join(EPILOGUES)}")
-    from models.qwen3 import linear, silu_mul as model_silu_mul
+    try:
+        knobs = harness.lowering(a.lowering)
+    except ValueError as e:
+        ap.error(str(e))
+    with lowering.use(knobs):
+        run(a)
+
+
+def run(a) -> None:
+    from kernjax.models.qwen3 import linear, silu_mul as model_silu_mul
 
     keys = jax.random.split(jax.random.key(0), 3)
     wg, wu = ((0.02 * jax.random.normal(kk, (F, D), jnp.float32)).astype(jnp.bfloat16)
@@ -141,11 +160,13 @@ def main() -> None:
     silu = jax.jit(fenced(model_silu_mul))
     xla = lambda x, wg, wu: silu(*gate_up(x, wg, wu))  # noqa: E731
     silu_k = jax.jit(silu_mul_kernel)
-    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b MLP, D={D} F={F}",
-          flush=True)
-    print("| rows | tiles | xla ms | apart ms | fused ms | fused / xla | max diff vs xla | "
-          "fused = apart | gate, up = cuBLASLt's | fused = XLA's silu·mul of them |\n"
-          "|---:|---|---:|---:|---:|---:|---:|---|---|---|", flush=True)
+    report = harness.Report("gate/up with silu·mul in the GEMM's epilogue, against the model's "
+                            "calls and apart", __doc__.split("\n\n")[0])
+    report.note(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; qwen3-4b MLP, D={D} "
+                f"F={F}; lowering {lowering.current()}")
+    report.table("rows", "tiles", "xla ms", "apart ms", "fused ms", "fused / xla",
+                 "max diff vs xla", "fused = apart", "gate, up = cuBLASLt's",
+                 "fused = XLA's silu·mul of them", right="rlrrrrrlll")
     for rows in map(int, a.rows.split(",")):
         x = jax.random.normal(keys[0], (rows, D), jnp.float32).astype(jnp.bfloat16)
         ref = None if a.lower else np.asarray(xla(x, wg, wu), np.float32)
@@ -169,13 +190,13 @@ def main() -> None:
                         texts = [for_h200(f, *args) for f, args in [
                             (fused, (x, *w)), (apart_gemm, (x, *w)), (silu_mul_kernel, gu)]]
                         assert all("mosaic_gpu" in t for t in texts)
-                        print(f"| {rows} | {name} | lowered for an H200 | | | | | | | |", flush=True)
+                        report.row(rows, name, "lowered for an H200", *[""] * 7)
                         continue
                     out_f, out_a = fused(x, *w)[0], apart(x, *w)
                     t_f, t_a = timed(fused, (x, *w), a.iters), timed(apart, (x, *w), a.iters)
                 except Exception as e:  # a tiling that does not fit: say so, go on
-                    print(f"| {rows} | {name} | {type(e).__name__}: {(str(e).splitlines() or [""])[0][:120]} "
-                          "| | | | | | | |", flush=True)
+                    report.row(rows, name, f"{type(e).__name__}: "
+                               f"{(str(e).splitlines() or [''])[0][:120]}", *[""] * 7)
                     continue
             f32 = np.asarray(out_f, np.float32)
             diff = float(np.max(np.abs(f32 - ref)))
@@ -183,8 +204,9 @@ def main() -> None:
             same = bits(out_f) == bits(out_a)
             gemm_same = bits(*apart_gemm(x, *w)) == bits(*gu_xla)
             silu_same = bits(out_f) == bits(own_silu)
-            print(f"| {rows} | {name} | {t_xla:.4f} | {t_a:.4f} | {t_f:.4f} | {t_f / t_xla:.3f} | "
-                  f"{diff:.3g} | {same} | {gemm_same} | {silu_same} |", flush=True)
+            report.row(rows, name, f"{t_xla:.4f}", f"{t_a:.4f}", f"{t_f:.4f}",
+                       f"{t_f / t_xla:.3f}", f"{diff:.3g}", same, gemm_same, silu_same)
+    report.write(a.out and Path(a.out))
 
 
 if __name__ == "__main__":

@@ -22,29 +22,27 @@ Mosaic GPU matmul (`jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu`, on weig
 once beforehand) at each of a few tilings, the best of them per product, checked against XLA's:
 whether a GEMM of our own (with silu·mul in its epilogue, say) could start from cuBLAS's speed.
 
-    python experiments/gemms.py --rows 512,2048,8192
-    XLA_FLAGS=--xla_gpu_enable_cublaslt=true python experiments/gemms.py --rows 8192 --layer --pallas
+`--out DIR` writes the tables with the run's record (results.json, README.md).
+
+    python -m experiments.gemms --rows 512,2048,8192
+    XLA_FLAGS=--xla_gpu_enable_cublaslt=true python -m experiments.gemms --rows 8192 --layer --pallas
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import kernjax  # noqa: E402,F401  (its XLA flags: no dot merger, GEMMs chosen untimed)
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
+import kernjax  # noqa: F401  (its XLA flags: no dot merger, GEMMs chosen untimed)
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import harness
+from experiments.harness import fenced, timed
 
 D, Q, KV, F = 2560, 4096, 1024, 9728  # qwen3-4b: hidden, q heads x 128, kv heads x 128, MLP
-
-
-def fenced(f):
-    return lambda *a: jax.lax.optimization_barrier(f(*jax.lax.optimization_barrier(a)))
 
 
 def cases():
@@ -71,7 +69,7 @@ def layer_cases(d=None, q=None, kv=None, f=None, inout=False):
     as the model derives it at load), at sizes `d, q, kv, f` (default this module's). `inout`:
     the same products on weights stored [in, out] (x @ w), as a load could derive them; the
     names end in `_io`."""
-    from models.qwen3 import exact, linear
+    from kernjax.models.qwen3 import exact, linear
 
     def lin(x, w):
         return (jnp.einsum("...i,io->...o", x, w, precision=exact(x.dtype)) if inout
@@ -93,18 +91,6 @@ def layer_cases(d=None, q=None, kv=None, f=None, inout=False):
 def operands(key, shapes):
     return [jax.random.normal(k, s, jnp.bfloat16) * 0.05
             for k, s in zip(jax.random.split(key, len(shapes)), shapes)]
-
-
-def timed(run, args, iters):
-    jax.block_until_ready(run(*args))
-    ts = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(iters):
-            out = run(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t) / iters)
-    return 1e3 * float(np.median(ts))
 
 
 def pallas_best(x, ws, iters):
@@ -136,10 +122,10 @@ def pallas_best(x, ws, iters):
     return best
 
 
-def main_layer(a, rows):
-    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
-    print("| rows | call | XLA ms | TFLOP/s | Mosaic GPU ms | TFLOP/s | its tiling | max diff |")
-    print("|---:|---|---:|---:|---:|---:|---|---:|")
+def main_layer(a, rows, report):
+    report.note(f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')}")
+    report.table("rows", "call", "XLA ms", "TFLOP/s", "Mosaic GPU ms", "TFLOP/s", "its tiling",
+                 "max diff", right="rlrrrrlr")
     key = jax.random.key(0)
     for r in rows:
         total = [0.0, 0.0]
@@ -148,14 +134,14 @@ def main_layer(a, rows):
             ms = timed(jax.jit(f), args, a.iters)
             tf = lambda t: flops_per_row * r / t / 1e9  # noqa: E731
             total[0] += ms
-            row = f"| {r} | {name} | {ms:.4f} | {tf(ms):.1f} |"
+            cells = ["", "", "", ""]
             if a.pallas:
                 pms, cfg, err = pallas_best(args[0], args[1:], a.iters)
                 total[1] += pms
-                row += f" {pms:.4f} | {tf(pms):.1f} | {cfg} | {err:.3g} |"
-            print(row if a.pallas else row + " | | | |", flush=True)
+                cells = [f"{pms:.4f}", f"{tf(pms):.1f}", cfg, f"{err:.3g}"]
+            report.row(r, name, f"{ms:.4f}", f"{tf(ms):.1f}", *cells)
         mosaic = f"{36 * total[1]:.2f}" if a.pallas else ""
-        print(f"| {r} | 36 layers | {36 * total[0]:.2f} | | {mosaic} | | | |", flush=True)
+        report.row(r, "36 layers", f"{36 * total[0]:.2f}", "", mosaic, "", "", "")
 
 
 def main():
@@ -167,19 +153,22 @@ def main():
     ap.add_argument("--pallas", action="store_true", help="with --layer: JAX's Mosaic GPU matmul too")
     ap.add_argument("--sizes", default=f"{D},{Q},{KV},{F}",
                     help="hidden, q heads x 128, kv heads x 128, MLP (default qwen3-4b's)")
+    ap.add_argument("--out", default=None, help="a directory for results.json and README.md")
     a = ap.parse_args()
     D, Q, KV, F = (int(x) for x in a.sizes.split(","))
-    print(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+    report = harness.Report(f"A layer's GEMMs at sizes {a.sizes}", __doc__.split("\n\n")[0])
+    report.note(f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
     if a.layer:
-        return main_layer(a, [int(x) for x in a.rows.split(",")])
-    print("| rows | case | ms | TFLOP/s |")
-    print("|---:|---|---:|---:|")
-    key = jax.random.key(0)
-    for r in (int(x) for x in a.rows.split(",")):
-        for name, (f, shapes, flops_per_row) in cases().items():
-            args = operands(key, shapes(r))
-            ms = timed(jax.jit(f), args, a.iters)
-            print(f"| {r} | {name} | {ms:.4f} | {flops_per_row * r / ms / 1e9:.1f} |", flush=True)
+        main_layer(a, [int(x) for x in a.rows.split(",")], report)
+    else:
+        report.table("rows", "case", "ms", "TFLOP/s", right="rlrr")
+        key = jax.random.key(0)
+        for r in (int(x) for x in a.rows.split(",")):
+            for name, (f, shapes, flops_per_row) in cases().items():
+                args = operands(key, shapes(r))
+                ms = timed(jax.jit(f), args, a.iters)
+                report.row(r, name, f"{ms:.4f}", f"{flops_per_row * r / ms / 1e9:.1f}")
+    report.write(a.out and Path(a.out))
 
 
 if __name__ == "__main__":

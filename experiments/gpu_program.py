@@ -11,11 +11,13 @@ stays), `sdy.sharding_constraint` dropped (identities on one device, which the a
 adds at the end of each nested jit) and SSA values renumbered per function. A function called
 from several places and one inlined at each are not equal here.
 
-    python experiments/gpu_program.py --model qwen3-4b --rows 512 --at c226
+    python -m experiments.gpu_program --model qwen3-4b --rows 512 --at c226
+    python -m experiments.gpu_program --rows 8192 --lowering mlp_tile=64x256   # other knobs
 
-To compare with an older commit, run a copy of this file inside that commit's tree (it imports
-the kernjax and models of the tree it sits in): `git worktree add /tmp/old REV; cp
-experiments/gpu_program.py /tmp/old/experiments/`, then the same command in both trees.
+To compare with an older commit, run that commit's own copy in its tree: `git worktree add
+/tmp/old REV`, then in /tmp/old `python experiments/gpu_program.py` with the same flags (trees
+before the package took it as a script; one without setup.py's mapping of kernjax.models needs
+`ln -s ../models kernjax/models`, as gpu_gate.sh's `baseline` step does).
 
 First made for `fd54233` (the `on_gpu` lowerings as one jit each), against `ad61239`, on a 2-core
 CPU VM on 2026-12-03: qwen3-4b whole and cut at 18, c226, c227 and 12,24, at 64, 512 and 8192
@@ -30,16 +32,13 @@ import hashlib
 import re
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-import kernjax  # noqa: E402, F401  (XLA's flags before jax starts)
-from kernjax import models  # noqa: E402
-from kernjax.cli import parse_at  # noqa: E402
-from kernjax.core.cut import cut, whole  # noqa: E402
-from kernjax.artifact import export_stage  # noqa: E402
-from models.attention_hopper import abstract_h200  # noqa: E402
+import kernjax  # noqa: F401  (XLA's flags before jax starts)
+from experiments import harness
+from kernjax import models
+from kernjax.artifact import export_stage
+from kernjax.core.cut import cut, points, whole
+from kernjax.kernels.attention_hopper import abstract_h200
 
 
 def canonical(text: str) -> str:
@@ -64,13 +63,14 @@ def canonical(text: str) -> str:
     return "".join(funcs)
 
 
-def programs(model: str, rows: int, at: str | None, context: int):
-    """(name, stage) of the whole program and, with `at`, each stage of that cut."""
+def programs(model: str, rows: int, at: str | None, context: int, lowering=None):
+    """(name, stage) of the whole program and, with `at`, each stage of that cut, under the
+    kernel knobs `lowering` (None: the defaults)."""
     fam, cfg = models.named(model)
     program = fam.program(cfg, dtype="bfloat16", rows=rows, context=context)
-    yield "whole", whole(program)
+    yield "whole", whole(program, lowering=lowering)
     if at:
-        for k, st in enumerate(cut(program, parse_at(at, program.calls))):
+        for k, st in enumerate(cut(program, points(at, program), lowering=lowering)):
             yield f"stage{k}", st
 
 
@@ -81,8 +81,14 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=0, help="default: max(rows, 512)")
     ap.add_argument("--at", default=None, help="a cut, as kernjax cut's --at (18, c226, 12,24)")
     ap.add_argument("--cores", type=int, default=132, help="the abstract H200's SMs")
+    ap.add_argument("--lowering", default="", help="kernjax's kernel knobs, KNOB=VALUE,... of "
+                    "kernjax.core.lowering.Lowering (default: its defaults)")
     a = ap.parse_args(argv)
-    for name, st in programs(a.model, a.rows, a.at, a.context or max(a.rows, 512)):
+    try:
+        low = harness.lowering(a.lowering)
+    except ValueError as e:
+        ap.error(str(e))
+    for name, st in programs(a.model, a.rows, a.at, a.context or max(a.rows, 512), low):
         t = time.perf_counter()
         with abstract_h200(a.cores):
             text = export_stage(st, "cuda").mlir_module()

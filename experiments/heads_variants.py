@@ -2,9 +2,9 @@
 with textual replacements (each must apply exactly once), written to OUT/<name>/dense.cu, then
 compiled with the bench to OUT/<name>/bench (sm_90, nvcc here; no GPU needed to build). The
 arithmetic is the same in every variant; the bench's hashes say whether the bytes are.
-Results: experiments/results/2026-12-03-h200-heads5/.
+Results: `git show results:experiments/results/2026-12-03-h200-heads5/README.md`.
 
-    python experiments/heads_variants.py build/hb [A,B4,...]   # then on the GPU:
+    python -m experiments.heads_variants build/hb [A,B4,...]   # then on the GPU:
     build/hb/<name>/bench 8192 200
 """
 

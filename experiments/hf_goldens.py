@@ -16,7 +16,7 @@ venv keeps them apart. To regenerate `tests/goldens/qwen3_tiny_f32_hf.npz`:
   # 2. In a venv with torch and transformers (made with Python 3.11):
   python -m venv torchvenv
   torchvenv/bin/pip install torch==2.13.0 transformers safetensors numpy
-  torchvenv/bin/python experiments/hf_goldens.py --checkpoint CKPT_DIR \\
+  torchvenv/bin/python -m experiments.hf_goldens --checkpoint CKPT_DIR \\
       --out tests/goldens/qwen3_tiny_f32_hf.npz
 
 The committed goldens were made with exactly those commands (CKPT_DIR a temporary directory),

@@ -11,10 +11,11 @@ into it, by cudaMemcpyAsync and by a copy kernel (as kernjax's push is). Two mod
   benchmark runs stages today;
 - `visible`: both see both GPUs and pick theirs (cudaSetDevice), so the runtime knows the peer.
 
-    python experiments/ipc_bandwidth.py --gpus 0,1 --modes isolated,visible
+    python -m experiments.ipc_bandwidth --gpus 0,1 --modes isolated,visible
 
 Prints one JSON line per mode and measurement: GB/s, and whether the runtime says the sender's
-GPU can access the peer (visible mode only).
+GPU can access the peer (visible mode only); `--out FILE` writes them as JSON with the run's
+record.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+from pathlib import Path
+
+from experiments import harness
 
 
 def receiver(gpu: str, mode: str, nbytes: int, q_handle, q_done) -> None:
@@ -85,10 +89,12 @@ def main() -> int:
     ap.add_argument("--modes", default="isolated,visible")
     ap.add_argument("--mb", type=float, default=5.0, help="bytes per copy, in MiB")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--out", default=None, help="write the measurements as JSON here")
     a = ap.parse_args()
     gpus = a.gpus.split(",")
     nbytes = int(a.mb * 2 ** 20) // 8 * 8
     ctx = mp.get_context("spawn")
+    got = []
     for mode in a.modes.split(","):
         qh, qd, res = ctx.Queue(), ctx.Queue(), ctx.Queue()
         procs = [ctx.Process(target=receiver, args=(gpus[1], mode, nbytes, qh, qd)),
@@ -97,14 +103,19 @@ def main() -> int:
             p.start()
         for _ in range(2):
             try:
-                print(json.dumps(res.get(timeout=300)), flush=True)
+                got.append(res.get(timeout=300))
             except Exception as e:  # noqa: BLE001
-                print(json.dumps({"mode": mode, "error": f"no result: {type(e).__name__}"}))
+                got.append({"mode": mode, "error": f"no result: {type(e).__name__}"})
+                print(json.dumps(got[-1]), flush=True)
                 break
+            print(json.dumps(got[-1]), flush=True)
         for p in procs:
             p.join(30)
             if p.is_alive():
                 p.kill()
+    if a.out:
+        Path(a.out).write_text(json.dumps({"record": harness.record(gpu=""), "results": got},
+                                          indent=1) + "\n")
     return 0
 
 

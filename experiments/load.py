@@ -6,7 +6,7 @@ level sends `--requests` completions (`max_tokens` 1, prompts of uniform random 
 `--prompt_len`, seeded, the same prompts for both configurations) with at most that many in
 flight. With one output token, a request's latency is its client-side time to first token.
 
-Prints and saves (`results.md`, `results.json`) a table of requests/s, prompt tokens/s and TTFT
+Prints and saves (`README.md`, `results.json`, with the run's record) a table of requests/s, prompt tokens/s and TTFT
 p50/p99 per configuration and level, checks every answer is 200 and that both configurations give
 the same token for each prompt, and runs `kernjax timeline` on the 2-stage logs
 (`timeline.txt`/`.png` over the whole run, `timeline-cN.txt`/`.png` over the highest level's
@@ -14,7 +14,7 @@ items only). Logs (`whole.log`, `stage0.log`, `stage1.log`, `metrics-*.txt`) are
 first lines, the `pp item` lines and any error lines, at most ~200 KB each, and have local paths
 replaced by placeholders. The servers are stopped at the end, also on error or Ctrl-C.
 
-    python experiments/load.py --requests 200 --concurrency 1,4,16,64 --out results/load
+    python -m experiments.load --requests 200 --concurrency 1,4,16,64 --out results/load
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from experiments import harness
 from kernjax.runtime.edge import TRANSPORTS
 
 CONFIGS = ("whole", "2 stages")
@@ -74,13 +75,13 @@ class Server:
                             logs / f"stage{s}.log", s)
 
     def _start(self, args, log: Path, index: int):
-        env = dict(os.environ)
+        env = harness.child_env()
         if self.gpus:  # stage s on GPU gpus[s]: one process per GPU
             env["CUDA_VISIBLE_DEVICES"] = self.gpus[index % len(self.gpus)]
         serve = ["-m", "kernjax", "serve"]
         if self.trace:  # experiments/traced.py: kernjax.serve recording items FIRST.. in a profile
             env["KERNJAX_TRACE"] = f"{log.with_suffix('.trace')}:{self.trace}"
-            serve = [str(Path(__file__).resolve().parent / "traced.py")]
+            serve = ["-m", "experiments.traced"]
         with log.open("w") as f:
             p = subprocess.Popen([sys.executable, *serve, "--host", "127.0.0.1", *args],
                                  stdout=f, stderr=subprocess.STDOUT, env=env)
@@ -217,8 +218,7 @@ def timeline(logs, png: Path, txt: Path, cwd: Path, extra=()):
 def traces(dirs, count: int, txt: Path) -> None:
     """Each process's recorded items, kernel by kernel (experiments/gpuprofile.py): the GPU's busy
     time against the span from the first kernel to the last, per item, and the top kernels."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import gpuprofile
+    from experiments import gpuprofile
 
     lines = []
     for d in dirs:
@@ -395,10 +395,13 @@ def main():
     meta = {"argv": [_scrub(x, paths) for x in sys.argv[1:]], "python": platform.python_version(), "jax": jax.__version__,
             "cpus": os.cpu_count(), "date_unix": int(time.time()), "transport": a.transport,
             "edge_slots": a.edge_slots if a.transport in ("shm", "ipc") else None}
-    (out / "results.json").write_text(json.dumps(
-        {"meta": meta, "rows": rows, "failures": failures, "mismatches": mismatches},
-        indent=1, default=str))
-    (out / "results.md").write_text(md + "\n")
+    rec = harness.record(gpu="", argv=meta["argv"])
+    readme = [f"# Load: {a.model} served whole and in 2 stages, transport {a.transport}", "",
+              *harness.record_lines(rec), "", md, "",
+              f"- failed requests: {len(failures)}; token mismatches whole vs 2 stages: "
+              f"{len(mismatches)}"]
+    harness.write(out, {"meta": meta, "record": rec, "rows": rows, "failures": failures,
+                        "mismatches": mismatches}, "\n".join(readme) + "\n")
     print()
     print(md)
     print(f"\nfailed requests: {len(failures)}")

@@ -5,7 +5,7 @@ waits (wgmma, named barriers, mbarriers) anywhere in the kernel.
 The hottest loop body is the set of instructions executed most often (every instruction of a
 loop body runs the same number of times); a share is of the samples in that body.
 
-    python experiments/ncu_stalls.py logs/ncu-source.csv
+    python -m experiments.ncu_stalls logs/ncu-source.csv
 """
 
 from __future__ import annotations

@@ -8,9 +8,9 @@ the context its sequences have, never the size of the pool. This script cuts the
 sequence, run after run; and it counts the copies of a state-sized buffer in the compiled module
 (a copy of a state per item is a pool-sized cost), with `--stages` in the stages' programs too.
 
-    python experiments/peritem.py --model qwen3-tiny --configs 1:256,16:2048,16:8192
-    python experiments/peritem.py --model qwen3-4b --configs 1:8192,16:16384   (GPU)
-    XLA_FLAGS=... python experiments/peritem.py --model qwen3-4b --configs 16:16384 --issue 40
+    python -m experiments.peritem --model qwen3-tiny --configs 1:256,16:2048,16:8192
+    python -m experiments.peritem --model qwen3-4b --configs 1:8192,16:16384   (GPU)
+    XLA_FLAGS=... python -m experiments.peritem --model qwen3-4b --configs 16:16384 --issue 40
 
 With `--issue`, the host's time to issue an item while the GPU runs the ones before: the
 served whole program's host spent ~4.6 ms an item updating XLA's CUDA graph and 1.6 launching
@@ -33,10 +33,10 @@ import jax
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernjax.kernels import ffi  # noqa: E402
+from experiments import harness
+from kernjax.core.item import Piece, make_item
+from kernjax.kernels import ffi
 from kernjax.runtime import runner as R
-from kernjax.core.item import Piece, make_item  # noqa: E402
 
 flags.DEFINE_string("model", "qwen3-tiny", "a named model, random weights")
 flags.DEFINE_string("configs", "1:256,16:2048", "comma-separated SEQS:CONTEXT program shapes")
@@ -47,6 +47,7 @@ flags.DEFINE_integer("issue", 0, "also issue this many full items back to back, 
                      "item (`np`) against one set put on the device before (`dev`)")
 flags.DEFINE_bool("stages", False, "also count the state copies in the stages' programs, plain "
                   "and with edge ops (a copied state is a pool-sized cost per item)")
+flags.DEFINE_string("out", None, "a directory for results.json and README.md")
 FLAGS = flags.FLAGS
 
 
@@ -82,10 +83,12 @@ def issue(r, item) -> str:
 
 
 def main(_):
-    print(f"{FLAGS.model}, chunk {FLAGS.chunk}, {jax.devices()[0].device_kind}, "
-          f"jax {jax.__version__}")
-    print("| seqs | context | states MiB | state copies | empty item ms | full item ms |")
-    print("|---:|---:|---:|---:|---:|---:|")
+    report = harness.Report(f"An item's cost against its program's states: {FLAGS.model}, chunk "
+                            f"{FLAGS.chunk}", __doc__.split("\n\n")[0])
+    report.note(f"{FLAGS.model}, chunk {FLAGS.chunk}, {jax.devices()[0].device_kind}, "
+                f"jax {jax.__version__}")
+    report.table("seqs", "context", "states MiB", "state copies", "empty item ms",
+                 "full item ms", right="rrrrrr")
     for cfg in FLAGS.configs.split(","):
         seqs, context = (int(x) for x in cfg.split(":"))
         with tempfile.TemporaryDirectory() as d:
@@ -109,19 +112,20 @@ def main(_):
                     ts.append(time.perf_counter() - t)
                 times[name] = 1e3 * float(np.median(ts))
             if FLAGS.issue:
-                print(f"  issue, {FLAGS.issue} full items back to back (XLA_FLAGS="
-                      f"{os.environ.get('XLA_FLAGS', '')!r}): " + issue(r, full), flush=True)
+                report.note(f"  issue, {FLAGS.issue} full items back to back (XLA_FLAGS="
+                            f"{os.environ.get('XLA_FLAGS', '')!r}): " + issue(r, full))
             mib = sum(s.nbytes for s in states) / 2 ** 20
-            print(f"| {seqs} | {context} | {mib:.0f} | {state_copies(r.fn.as_text(), shapes)} | "
-                  f"{times['empty']:.2f} | {times['full']:.2f} |", flush=True)
+            report.row(seqs, context, f"{mib:.0f}", state_copies(r.fn.as_text(), shapes),
+                       f"{times['empty']:.2f}", f"{times['full']:.2f}")
             if FLAGS.stages:  # the stages' programs, plain and with edge ops: compiled, not run
                 ffi.register()
                 for st in ("stage0", "stage1"):
                     s_ = R.open_stage(Path(d) / st)
                     s_.compile_edged()
-                    print(f"  {st}: state copies {state_copies(s_.fn.as_text(), shapes)} plain, "
-                          f"{state_copies(s_.edged.as_text(), shapes)} with edge ops", flush=True)
+                    report.note(f"  {st}: state copies {state_copies(s_.fn.as_text(), shapes)} "
+                                f"plain, {state_copies(s_.edged.as_text(), shapes)} with edge ops")
                     del s_
+    report.write(FLAGS.out and Path(FLAGS.out))
 
 
 if __name__ == "__main__":

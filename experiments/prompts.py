@@ -1,7 +1,7 @@
 """Writes the chain gate's seven prompts for a chunk size: 1, chunk-1, chunk, chunk+1, 2 chunk+7,
 1000 and 2049 tokens of random ids (seeded by the chunk), one line of ids per prompt.
 
-    python experiments/prompts.py --chunk 512 --vocab 151936 > prompts512.txt
+    python -m experiments.prompts --chunk 512 --vocab 151936 > prompts512.txt
 """
 
 import argparse

@@ -9,7 +9,7 @@ Mosaic modules without their debug locations (which follow the source lines) and
 `dump_basename` (a count of the process's lowerings). Same module, same kernel: the gates at REV
 still hold for it. Exit status 0: every kernel the same; 1: one differs; 2: no such file at REV.
 
-    python experiments/same_kernel.py 614aef7
+    python -m experiments.same_kernel 614aef7
 """
 
 from __future__ import annotations

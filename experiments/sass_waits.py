@@ -7,7 +7,7 @@ SASS of a PTX file on a machine without a GPU (ptxas 13.0 as on the device image
 pip: `pip download --no-deps nvidia-cuda-cuobjdump`, unzip, `nvidia/cu13/bin` on PATH):
 
     ptxas -arch=sm_90a -O3 -v kernel.ptx -o kernel.cubin && cuobjdump -sass kernel.cubin > k.sass
-    python experiments/sass_waits.py k.sass
+    python -m experiments.sass_waits k.sass
 
 The PTX of Mosaic GPU's kernels comes from `gpu_gate.sh dump`.
 """

@@ -22,7 +22,7 @@ the edge), `link_bound_us` (its bytes over the link's bandwidth) and, with a thr
 `transfer_share`: that time over the 2-stage pipeline's item period (the slower stage's median
 period at the run's highest concurrency, from its `timeline-cN.txt`).
 
-    python experiments/serve_summary.py --run ttft=out/ttft-ipc --run throughput=out/serve2-ipc \\
+    python -m experiments.serve_summary --run ttft=out/ttft-ipc --run throughput=out/serve2-ipc \\
         --run unpacked=out/serve2-ipc-seqs1 --transfer out/transfer-ipc.json \\
         --gpu "2x NVIDIA H200" --out results/2026-12-01-h200x2-serve
 """
@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
-import subprocess
 from pathlib import Path
+
+from experiments import harness
 
 
 def load(d: Path) -> dict:
@@ -145,18 +145,10 @@ def main(argv=None) -> int:
     rows += transfer_rows(a.transfer, item_period_ms(dirs["throughput"])
                           if "throughput" in dirs else None)
     # the device copy's git may name an older commit than its tree: gpu_gate.sh passes the tree's
-    commit = os.environ.get("KERNJAX_COMMIT", "")
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
-                                          capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
+    commit, _ = harness.git_commit()
     res = {"gpu": a.gpu, "date": datetime.date.today().isoformat(), "commit": commit,
            "transport": transports.pop() if transports else None, "rows": rows, "notes": notes,
            "runs": {k: v["meta"] for k, v in runs.items()}}
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
     lines = [f"# Two stages against the whole program, transport `{res['transport']}`", "",
              f"- Machine: {a.gpu or '?'}; date {res['date']}; commit `{commit}`.",
              "- Made by `experiments/serve_summary.py` from `experiments/load.py` runs:", ""]
@@ -165,7 +157,7 @@ def main(argv=None) -> int:
     lines += [f"| {r['config']} | {r['metric']} | {r['value']:.4f} |" for r in rows]
     lines += [f"- transfer: `{f}`" for f in a.transfer]
     lines += [""] + [f"- {n}" for n in notes]
-    (out / "README.md").write_text("\n".join(lines) + "\n")
+    harness.write(Path(a.out), res, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 1 if notes else 0
 

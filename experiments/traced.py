@@ -1,4 +1,4 @@
-"""`python experiments/traced.py ARGS`: `kernjax serve ARGS` that records a JAX profile
+"""`python -m experiments.traced ARGS`: `kernjax serve ARGS` that records a JAX profile
 of items FIRST..FIRST+COUNT-1 into DIR, with `KERNJAX_TRACE=DIR:FIRST:COUNT` in its environment.
 
 The profile starts once item FIRST-1 is logged (`kernjax.serve.timeline.log_item`, which every stage
@@ -12,15 +12,13 @@ the times go to DIR.issue.json: how long the issuing thread takes per item, prof
 
 import json
 import os
-import runpy
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import jax  # noqa: E402
+import jax
 
-from kernjax.runtime import runner  # noqa: E402
+from kernjax.runtime import runner
 from kernjax.serve import timeline
 
 _log = timeline.log_item
@@ -57,6 +55,9 @@ def timed(f):
 
 runner.Runner.run = timed(runner.Runner.run)
 runner.Runner.run_edged = timed(runner.Runner.run_edged)
-timeline.log_item = log_item  # before kernjax.serve's modules import it
-sys.argv[0] = "kernjax.serve"
-runpy.run_module("kernjax.serve", run_name="__main__", alter_sys=True)
+timeline.log_item = log_item  # before kernjax.serve's head and stage host import it
+
+if __name__ == "__main__":
+    from kernjax.cli import main
+
+    main(["serve", *sys.argv[1:]])

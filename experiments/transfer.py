@@ -7,10 +7,10 @@ from its first issue to its last item's token. The time per item of the slower s
 bytes / `--link_gbs` (NVLink measured at 338 GB/s on the two-H200 machine), is the transfer's
 cost; serving's item period (`kernjax timeline`) gives its share.
 
-    python experiments/transfer.py --transport ipc --gpus 0,1 --items 200          # two GPUs
-    python experiments/transfer.py --transport shm --items 50 --shape 64,64        # the CPU
+    python -m experiments.transfer --transport ipc --gpus 0,1 --items 200          # two GPUs
+    python -m experiments.transfer --transport shm --items 50 --shape 64,64        # the CPU
 
-Prints one line per side and a summary; `--out FILE` writes it as JSON.
+Prints one line per side and a summary; `--out FILE` writes it as JSON, with the run's record.
 
 That loop's time per item is bounded below by each side's host issuing its programs: it says how
 fast a pipeline can go, not how long one transfer takes. `--pingpong` measures that instead, on
@@ -20,7 +20,7 @@ back. From side 0's profile, per item, the round trip runs from its push's first
 the end of its wait for the return; half of it is the time from departure ready to arrival
 usable.
 
-    python experiments/transfer.py --transport ipc --gpus 0,1 --items 200 --pingpong
+    python -m experiments.transfer --transport ipc --gpus 0,1 --items 200 --pingpong
 """
 
 from __future__ import annotations
@@ -30,13 +30,12 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from experiments import harness
 
 
 def _slots(rank: int, a):
@@ -44,7 +43,6 @@ def _slots(rank: int, a):
     (set before jax is imported)."""
     if a.gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = a.gpus.split(",")[rank]
-    sys.path.insert(0, str(REPO))
     from kernjax.core.trace import Slot
 
     shape = tuple(int(x) for x in a.shape.split(","))
@@ -81,8 +79,7 @@ def side(rank: int, a, q_out, q_in, res) -> None:
         dt = time.perf_counter() - t
     kernels = ""
     if a.trace:
-        sys.path.insert(0, str(REPO / "experiments"))
-        import gpuprofile
+        from experiments import gpuprofile
 
         p = gpuprofile.summarize(where, [])
         kernels = "; ".join(f"{k['kernel'][:40]} {1e3 * k['ms'] / a.items:.1f} us/item"
@@ -160,8 +157,7 @@ def pingpong_side(rank: int, a, q_out, q_in, go, res) -> None:
     with jax.profiler.trace(where):
         out = [run(*args, item(k)) for k in range(1, a.items + 1)]
         jax.block_until_ready(out)
-    sys.path.insert(0, str(REPO / "experiments"))
-    import gpuprofile
+    from experiments import gpuprofile
 
     rtts, pushes = round_trips(gpuprofile.kernels(where), nccl=a.transport == "nccl")
     want = float(a.departures * (a.departures + 1) / 2)
@@ -251,7 +247,8 @@ def main() -> int:
                                  "link_bound_us": nbytes / (a.link_gbs * 1e9) * 1e6}
         print(json.dumps(summary, indent=1))
         if a.out:
-            Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
+            Path(a.out).write_text(json.dumps({**summary, "record": harness.record(gpu="")},
+                                              indent=1) + "\n")
         return 0 if summary["check"] else 1
     ctx = mp.get_context("spawn")
     handles, res = ctx.Queue(), ctx.Queue()
@@ -276,7 +273,8 @@ def main() -> int:
         summary |= {"sender_kernels": got[0]["kernels"], "receiver_kernels": got[1]["kernels"]}
     print(json.dumps(summary, indent=1))
     if a.out:
-        Path(a.out).write_text(json.dumps(summary, indent=1) + "\n")
+        Path(a.out).write_text(json.dumps({**summary, "record": harness.record(gpu="")},
+                                          indent=1) + "\n")
     return 0 if got[1]["check"] else 1
 
 

@@ -9,7 +9,7 @@ named barrier is left half-arrived at exit; a warpgroup issues products only whi
 turn, and hands over only a turn it holds; every product is issued once. The
 sequences are written by hand from the kernel's code: change them with it.
 
-    python experiments/turns_model.py        # every schedule, 1-8 steps, 300 interleavings each
+    python -m experiments.turns_model        # every schedule, 1-8 steps, 300 interleavings each
 """
 
 from __future__ import annotations

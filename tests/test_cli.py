@@ -377,28 +377,31 @@ def test_a_cut_that_fails_while_writing_leaves_a_directory_the_next_cut_takes(tm
 
 
 def test_every_flag_the_docs_show_a_command_with_exists(tmp_path):
-    """README.md and docs/*.md show `kernjax VERB ... --flag` and `python -m experiments.NAME
-    ... --flag`: each command knows each flag its lines use (docs that match the code)."""
-    from kernjax.cli import VERBS
+    """README.md, docs/*.md and experiments/README.md show `kernjax VERB ... --flag`, `python -m
+    kernjax.<module> ... --flag`, `python -m experiments.<name> ... --flag` and
+    `experiments/<name>.py ... --flag` (the benchmark `experiments.<name>`): each command knows
+    each flag its lines use (docs that match the code)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    docs = [os.path.join(root, "README.md")] + [
+    docs = [os.path.join(root, "README.md"), os.path.join(root, "experiments", "README.md")] + [
         os.path.join(root, "docs", f) for f in sorted(os.listdir(os.path.join(root, "docs")))
         if f.endswith(".md")]
     used: dict[tuple, set] = {}
-    verbs = "|".join(VERBS)
     for path in docs:
         for line in open(path, encoding="utf-8"):
-            for m in re.finditer(rf"(?<![\w/.-])kernjax ({verbs})\b|python -m (experiments\.\w+)",
-                                 line):
-                cmd = ("-m", "kernjax", m.group(1)) if m.group(1) else ("-m", m.group(2))
+            for m in re.finditer(r"\bkernjax (cut|run|chain|serve|weights|timeline|demo)\b|"
+                                 r"python -m (kernjax(?:\.\w+)+|experiments\.\w+)|"
+                                 r"\bexperiments/(\w+)\.py", line):
+                verb, module, path = m.groups()
+                cmd = ("-m", "kernjax", verb) if verb else ("-m", module or f"experiments.{path}")
                 tail = re.match(r"[^`#|]*", line[m.end():]).group(0)
                 used.setdefault(cmd, set()).update(re.findall(r"[\s[]--(\w+)", tail))
     assert {("-m", "kernjax", "cut"), ("-m", "kernjax", "serve")} <= set(used), used
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
 
-    def help_of(cmd):
-        return subprocess.run([sys.executable, *cmd, "--helpfull" if cmd[1] == "kernjax"
-                               else "--help"], capture_output=True, text=True, cwd=root,
-                              timeout=300).stdout
+    def help_of(cmd):  # the benchmarks parse with argparse (peritem with absl: --help is its own)
+        flag = "--help" if cmd[1].startswith("experiments") else "--helpfull"
+        return subprocess.run([sys.executable, *cmd, flag], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=300).stdout
 
     with ThreadPoolExecutor(4) as ex:
         helps = dict(zip(used, ex.map(help_of, used)))

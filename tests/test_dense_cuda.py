@@ -8,8 +8,6 @@ jnp's `.at[]` puts them, the residual is XLA's bit for bit, and the rest within 
 import collections
 import dataclasses
 import re
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +25,6 @@ from kernjax.kernels.attention_hopper import abstract_h200
 # qwen3-shaped, small: head_dim 128, hidden 256 (kj_add_norm's multiple), 2 layers.
 CFG = dataclasses.replace(qwen3.CONFIGS["qwen3-tiny"], name="k14", hidden=256, intermediate=256,
                           layers=2, head_dim=128)
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
 gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
 
 
@@ -104,7 +101,7 @@ def test_the_rules_read_eps_columns_and_frequencies_from_the_bodies():
 
 def _steps(a, b) -> float:
     """dense_calls.steps: the largest difference in bf16 steps of its head's largest value."""
-    import dense_calls as dc
+    from experiments import dense_calls as dc
 
     return dc.steps(a, b)[0]
 
@@ -112,7 +109,7 @@ def _steps(a, b) -> float:
 @gpu
 @pytest.mark.parametrize("rows", [1, 63, 512, 2048])
 def test_the_group_gives_the_bits_of_its_calls_apart_and_xla_within_a_step(rows):
-    import dense_calls as dc
+    from experiments import dense_calls as dc
 
     calls, cfg = dc.layer0(rows)
     args = dc.inputs(rows, cfg, seed=rows)
@@ -137,7 +134,7 @@ def test_the_group_gives_the_bits_of_its_calls_apart_and_xla_within_a_step(rows)
 @gpu
 @pytest.mark.parametrize("rows", [1, 100, 2048])
 def test_add_norm_keeps_the_residual_bits_and_the_norm_within_a_step(rows):
-    import dense_calls as dc
+    from experiments import dense_calls as dc
 
     calls, cfg = dc.layer0(rows)
     k = jax.random.split(jax.random.key(rows), 3)

@@ -1,4 +1,4 @@
-"""The prefill benchmark (`experiments/prefill.py`) runs every JAX system on the CPU, its
+"""The prefill benchmark (`python -m experiments.prefill`) runs every JAX system on the CPU, its
 `--profile` gives each kernjax row's time by call, and `--second_start` compiles the kernjax
 programs again in a second process.
 
@@ -18,10 +18,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-import gpuprofile  # noqa: E402
+from experiments import gpuprofile
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def module(name: str) -> list[str]:
+    """`python -m experiments.<name>`, to run with cwd=REPO."""
+    return [sys.executable, "-m", f"experiments.{name}"]
 
 
 def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
@@ -30,12 +34,12 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "KERNJAX_CACHE": str(tmp_path / "cache"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     r = subprocess.run(
-        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+        [*module("prefill"), "--model", "qwen3-tiny",
          "--prompts", "64", "--chunks", "32,whole", "--iters", "1", "--idle", "0.01",
          "--profile", "64",
          "--second_start", "64", "--systems",
          "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=600)
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["errors"] == [], data["errors"]
@@ -92,7 +96,7 @@ def test_prefill_benchmark_runs_every_jax_system_and_profiles_by_call(tmp_path):
 
 
 def test_issue_6s_goals_are_read_off_one_runs_rows():
-    import prefill
+    from experiments.prefill_report import goal_checks
 
     ms = {("kernjax", 8192, "whole"): {"ms": 100.0, "mfu": 0.66},
           ("kernjax", 8192, "512"): {"ms": 200.0, "mfu": 0.44},
@@ -101,7 +105,7 @@ def test_issue_6s_goals_are_read_off_one_runs_rows():
           ("jax-plain", 8192, "whole"): {"ms": 110.0, "mfu": 0.6},
           ("transformers", 8192, "512"): {"ms": 199.0, "mfu": 0.44}}
     keys = [(8192, "512"), (8192, "whole")]
-    got = dict(prefill.goal_checks(ms, keys))
+    got = dict(goal_checks(ms, keys))
     assert got == {
         "8k, chunk whole: 66.00 % MFU, goal 65 %": True,
         "8k, chunk 512: 44.00 % MFU, goal 45 %": False,  # no 2048 row: no claim about it
@@ -114,8 +118,8 @@ def test_issue_6s_goals_are_read_off_one_runs_rows():
 def test_prefill_benchmark_refuses_a_page_kernjax_does_not_run():
     """`--page` (the A/B of pages gathered against pages read in place) takes 16, 128 or 0 (the
     model's), and says so for anything else before it builds a program."""
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "prefill.py"), "--page", "64"],
-                       capture_output=True, text=True, timeout=120,
+    r = subprocess.run([*module("prefill"), "--page", "64"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 2 and "--page 64: FlashAttention-3 (kj_fa3) takes pages of 16" in \
         r.stderr, r.stderr
@@ -125,11 +129,11 @@ def test_prefill_benchmark_without_publishing_the_token(tmp_path):
     """--publish 0, the A/B's other side: the token through PjRt, the same token."""
     out = tmp_path / "prefill"
     r = subprocess.run(
-        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+        [*module("prefill"), "--model", "qwen3-tiny",
          "--prompts", "64", "--chunks", "whole", "--iters", "1", "--second_start", "",
          "--profile", "", "--systems", "kernjax,jax-plain", "--publish", "0", "--min_row_s", "0",
          "--out", str(out)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["publish"] is False and data["errors"] == []
@@ -143,11 +147,11 @@ def test_prefill_benchmark_interleaves_the_jax_systems_at_each_row(tmp_path):
     skipped for it alone; a chunk >= S is the same row, recorded once per label."""
     out = tmp_path / "prefill"
     r = subprocess.run(
-        [sys.executable, str(REPO / "experiments" / "prefill.py"), "--model", "qwen3-tiny",
+        [*module("prefill"), "--model", "qwen3-tiny",
          "--prompts", "64", "--chunks", "32,64,whole", "--iters", "3", "--second_start", "",
          "--profile", "64", "--systems", "kernjax,kernjax-2stages,kernjax-unconstrained,jax-plain",
          "--interleave", "--min_row_s", "0", "--out", str(out)],
-        env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True, timeout=600)
+        env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     data = json.loads((out / "results.json").read_text())
     assert data["interleave"] is True and data["errors"] == [], data["errors"]
@@ -275,7 +279,7 @@ def test_serve_summary_turns_load_runs_into_the_issue_metrics(tmp_path):
     """experiments/serve_summary.py: ttft_ratio, throughput_ratio, packed_gain and slot_gain
     from load.py's results, a transfer's time and its share of the pipeline's item period, and a
     run with a mismatched token left out and reported."""
-    import serve_summary
+    from experiments import serve_summary
 
     def run(name, rows, mismatches=(), slots=2):
         d = tmp_path / name
@@ -323,9 +327,9 @@ def test_transfer_benchmark_moves_items_between_two_processes(tmp_path):
     """experiments/transfer.py over the shm transport on the CPU: every item arrives (the
     receiver's check) and the per-item times are written."""
     out = tmp_path / "t.json"
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "transfer.py"), "--transport",
+    r = subprocess.run([*module("transfer"), "--transport",
                         "shm", "--items", "20", "--shape", "16,16", "--trace", "--out", str(out)],
-                       capture_output=True, text=True, timeout=300,
+                       cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -338,9 +342,9 @@ def test_transfer_pingpong_times_each_items_round_trip_on_one_clock(tmp_path):
     """experiments/transfer.py --pingpong on the CPU: every item goes there and back (side 0's
     check) and each round trip is read off side 0's profile, push to return."""
     out = tmp_path / "p.json"
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "transfer.py"), "--transport",
+    r = subprocess.run([*module("transfer"), "--transport",
                         "shm", "--items", "12", "--shape", "16,16", "--pingpong", "--out",
-                        str(out)], capture_output=True, text=True, timeout=300,
+                        str(out)], cwd=REPO, capture_output=True, text=True, timeout=300,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     got = json.loads(out.read_text())
@@ -351,7 +355,7 @@ def test_transfer_pingpong_times_each_items_round_trip_on_one_clock(tmp_path):
 def test_round_trips_are_read_from_push_to_return_on_the_gpu_and_over_nccl():
     """transfer.py's parse of side 0's profile, on the kernels a GPU run gives: per item, the
     push's first copy kernel to the end of the hold that waits for the item back."""
-    import transfer
+    from experiments import transfer
 
     def k(name, start, ns):
         return {"name": name, "start_ns": start, "ns": ns}
@@ -373,10 +377,10 @@ def test_round_trips_are_read_from_push_to_return_on_the_gpu_and_over_nccl():
 def test_dispatch_times_each_issue_under_each_xla_mode_in_a_process_of_its_own():
     """experiments/dispatch.py on the CPU: a row per (mode, operands, call, effect), each mode's
     rows from its own process (XLA reads its flags once)."""
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "dispatch.py"), "--layers", "2",
+    r = subprocess.run([*module("dispatch"), "--layers", "2",
                         "--rows", "8", "--dim", "32", "--ff", "32", "--items", "3", "--ops",
                         "dev,same", "--calls", "compiled", "--effects", "0,1", "--every_layer",
-                        "--xla_modes", "default,nocb"], capture_output=True, text=True,
+                        "--xla_modes", "default,nocb"], cwd=REPO, capture_output=True, text=True,
                        timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [x.split("|") for x in r.stdout.splitlines() if x.startswith(("| default", "| nocb"))]
@@ -387,11 +391,11 @@ def test_dispatch_times_each_issue_under_each_xla_mode_in_a_process_of_its_own()
 def test_load_trace_profiles_each_serving_process_over_the_items_it_names(tmp_path):
     """experiments/load.py --trace FIRST:COUNT: every process (whole, stage 0, stage 1) records
     its items FIRST.. and trace.txt sums each one's kernels and host events."""
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "load.py"), "--model",
+    r = subprocess.run([*module("load"), "--model",
                         "qwen3-tiny", "--chunk", "64", "--context", "512", "--concurrency", "1",
                         "--prompt_len", "300,300", "--requests", "2", "--warmup", "2",
                         "--transport", "shm", "--trace", "6:3", "--out", str(tmp_path)],
-                       capture_output=True, text=True, timeout=600,
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     text = (tmp_path / "trace.txt").read_text()
@@ -408,11 +412,11 @@ def test_load_serves_the_configs_it_is_given_with_the_pool_it_is_given(tmp_path)
     """experiments/load.py --configs whole: the whole program alone, nothing compared; --pages
     sizes the cut's pool (one sequence an item, four prompts' pages: serve2's unpacked run);
     a --configs it does not know is refused by name."""
-    load = [sys.executable, str(REPO / "experiments" / "load.py"), "--model", "qwen3-tiny",
+    load = [*module("load"), "--model", "qwen3-tiny",
             "--chunk", "64", "--context", "512", "--seqs", "1", "--pages", "129",
             "--concurrency", "4", "--prompt_len", "100,300", "--requests", "8", "--warmup", "1"]
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    r = subprocess.run([*load, "--configs", "whole", "--out", str(tmp_path)], capture_output=True,
+    r = subprocess.run([*load, "--configs", "whole", "--out", str(tmp_path)], cwd=REPO, capture_output=True,
                        text=True, timeout=600, env=env)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert [x.split("|")[1].strip() for x in r.stdout.splitlines() if x.startswith("| whole")] \
@@ -421,7 +425,7 @@ def test_load_serves_the_configs_it_is_given_with_the_pool_it_is_given(tmp_path)
     # 129 pages of 16 KiB (4 layers' keys and values); one context's 33 would be 0.5 MiB
     assert "states 2.0 MiB" in (tmp_path / "whole.log").read_text()
     r = subprocess.run([*load, "--configs", "whole,three", "--out", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=60, env=env)
+                       cwd=REPO, capture_output=True, text=True, timeout=60, env=env)
     assert r.returncode == 2 and "--configs takes some of whole, 2 stages, not 'whole,three'" \
         in r.stderr, r.stderr
 
@@ -432,12 +436,12 @@ def test_peritem_and_gemms_run_on_the_cpu():
     on the CPU no program, whole or stage, plain or with edge ops, copies a state; peritem's
     `--issue` times each case's issue with numpy and with device operands."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    peritem = ["peritem.py", "--configs", "1:256,4:512", "--chunk", "32", "--iters", "1",
+    peritem = ["peritem", "--configs", "1:256,4:512", "--chunk", "32", "--iters", "1",
                "--stages", "--issue", "3"]
-    gemms = ["gemms.py", "--rows", "8", "--iters", "1", "--sizes", "256,512,128,768"]
+    gemms = ["gemms", "--rows", "8", "--iters", "1", "--sizes", "256,512,128,768"]
     for args, rows, ms in ((peritem, 2, -2), (gemms, 6, -3), ([*gemms, "--layer"], 5, 3)):
-        r = subprocess.run([sys.executable, str(REPO / "experiments" / args[0]), *args[1:]],
-                           capture_output=True, text=True, timeout=600, env=env)
+        r = subprocess.run([*module(args[0]), *args[1:]],
+                           cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
         assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         got = [x for x in r.stdout.splitlines() if x.startswith("| ") and x[2].isdigit()]
         assert len(got) == rows and all(float(x.split("|")[ms]) > 0 for x in got), r.stdout
@@ -452,7 +456,7 @@ def test_peritem_and_gemms_run_on_the_cpu():
 def test_autotune_probe_runs_on_the_cpu_and_reads_xla_kernel_choices(tmp_path):
     """experiments/autotune.py times each GEMM under each flag set in a process of its own, and
     reads the kernels XLA chose from its optimized HLO (here a GPU's, written by hand)."""
-    import autotune
+    from experiments import autotune
 
     (tmp_path / "module_0001.jit_qkv_512.sm_9.0_gpu_after_optimizations.txt").write_text(
         '  %c = custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", '
@@ -460,9 +464,9 @@ def test_autotune_probe_runs_on_the_cpu_and_reads_xla_kernel_choices(tmp_path):
         '  %f = fusion(%a), kind=kCustom, backend_config={"fusion_backend_config":{"kind":'
         '"__triton_gemm","triton_gemm_config":{"block_m":"64","block_n":"128","block_k":"32"}}}\n')
     assert autotune.kernels(tmp_path) == {"qkv_512": ["__cublas$lt$matmul[7]", "triton_gemm[64x128x32]"]}
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "autotune.py"), "--rows", "8",
+    r = subprocess.run([*module("autotune"), "--rows", "8",
                         "--iters", "1", "--sizes", "256,512,128,768", "--sets", "kernjax,kernjax-again"],
-                       capture_output=True,
+                       cwd=REPO, capture_output=True,
                        text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = [x.split("|") for x in r.stdout.splitlines() if x.startswith("| ") and "| 8 |" in x]
@@ -500,7 +504,7 @@ def test_profile_follows_the_schedule_through_kernels_xla_compiled_once_for_ever
 def test_same_kernel_sees_through_moved_lines_and_not_through_a_changed_kernel(tmp_path):
     """experiments/same_kernel.py: the Hopper kernel's Mosaic module without debug locations
     is the same when the source only moved down, and differs when an option changes the kernel."""
-    import same_kernel
+    from experiments import same_kernel
 
     moved = tmp_path / "attention_hopper.py"
     moved.write_text("# a line\n# and another\n" + (REPO / same_kernel.PATH).read_text())
@@ -516,7 +520,7 @@ def test_same_kernel_compares_the_mlp_kernels_and_sees_another_epilogue(tmp_path
     model's calls lower them, twice (the source moved down, and in one process after other
     lowerings) are the same modules; another epilogue changes the two that run silu·mul and not
     the GEMM that writes gate and up."""
-    import same_kernel
+    from experiments import same_kernel
 
     moved = tmp_path / "mlp_hopper.py"
     moved.write_text("# a line\n" + (REPO / same_kernel.MLP).read_text())
@@ -538,7 +542,7 @@ def test_turns_model_passes_the_kernels_schedules_and_catches_a_broken_handover(
     import random
 
     import pytest
-    import turns_model as tm
+    from experiments import turns_model as tm
 
     for name in tm.SCHEDULES:
         assert tm.check(name, max_steps=4, trials=20) == 20 * 24  # 24 (kv0, kv1, cta)
@@ -560,7 +564,7 @@ def test_ncu_stalls_finds_the_hottest_loop_and_its_waits(tmp_path, capsys):
     are the body; its shares are of the body's samples; a wait elsewhere is listed too."""
     import csv
 
-    import ncu_stalls
+    from experiments import ncu_stalls
 
     head = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
             "stall_wait", "stall_barrier", "stall_wait (Not Issued)"]
@@ -583,8 +587,7 @@ def test_ncu_stalls_finds_the_hottest_loop_and_its_waits(tmp_path, capsys):
 
 def test_sass_waits_counts_the_exponentials_between_the_two_waits():
     """experiments/sass_waits.py on a made-up listing: one overlapped softmax, one not."""
-    sys.path.insert(0, str(REPO / "experiments"))
-    import sass_waits
+    from experiments import sass_waits
 
     sass = """
         Function : kernel_a
@@ -612,10 +615,10 @@ def test_attention_rounds_time_every_config_in_each_round_both_ways(tmp_path):
     """experiments/attention.py --rounds 3: each config checked once, then timed 3 times with
     the order reversed every other round; its ms is the median of the rounds, all kept."""
     out = tmp_path / "a.json"
-    r = subprocess.run([sys.executable, str(REPO / "experiments" / "attention.py"), "--kernel",
+    r = subprocess.run([*module("attention"), "--kernel",
                         "triton", "--interpret", "--small", "--sweep", "--cases", "16:32",
                         "--rounds", "3", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600,
+                       cwd=REPO, capture_output=True, text=True, timeout=600,
                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     rows = json.loads(out.read_text())["results"]
@@ -629,8 +632,8 @@ def test_attention_anchors_run_only_where_they_compute_the_same_function():
     it were the chunk's function; an unknown kernel or an anchor under --interpret is refused
     with what to use."""
     def run(*args):
-        return subprocess.run([sys.executable, str(REPO / "experiments" / "attention.py"), *args],
-                              capture_output=True, text=True, timeout=300,
+        return subprocess.run([*module("attention"), *args],
+                              cwd=REPO, capture_output=True, text=True, timeout=300,
                               env={**os.environ, "JAX_PLATFORMS": "cpu"})
     r = run("--kernel", "jax-cudnn", "--small", "--cases", "16:32")
     assert r.returncode == 0, r.stderr[-2000:]
@@ -651,7 +654,7 @@ def test_fused_mlp_reads_its_tilings_and_its_kernels_lower_for_an_h200():
 
     import jax
     import jax.numpy as jnp
-    import fused_mlp
+    from experiments import fused_mlp
 
     S = jax.ShapeDtypeStruct
     x, w = S((256, fused_mlp.D), jnp.bfloat16), S((fused_mlp.F, fused_mlp.D), jnp.bfloat16)
@@ -689,7 +692,7 @@ def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_u
 
     import jax
     import jax.numpy as jnp
-    import add_norm
+    from experiments import add_norm
     from models.qwen3 import add_norm as model_add_norm
 
     k = jax.random.split(jax.random.key(1), 3)
@@ -702,7 +705,7 @@ def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_u
     n, want_n = np.asarray(n, np.float32), np.asarray(want_n, np.float32)
     step = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(want_n), 1e-30))) - 7)  # a bf16 ulp
     assert np.all(np.abs(n - want_n) <= step), float(np.max(np.abs(n - want_n) / step))
-    from models.attention_hopper import on_h200
+    from kernjax.kernels.attention_hopper import on_h200
 
     S = jax.ShapeDtypeStruct
     shapes = [S((8192, add_norm.D), jnp.bfloat16)] * 2 + [S((add_norm.D,), jnp.bfloat16)]
@@ -713,7 +716,7 @@ def test_add_norm_kernel_gives_the_residual_bit_for_bit_and_the_norm_within_an_u
 def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
     """`experiments/gpu_program.py`: the same program hashes the same in two exports; a sharding
     constraint (an identity on one device), locations and SSA numbering do not count; an op does."""
-    import gpu_program
+    from experiments import gpu_program
 
     a = '''func.func @f(%arg0: tensor<2xf32>) -> tensor<2xf32> {
     %0 = stablehlo.add %arg0, %arg0 : tensor<2xf32> loc(#loc3)
@@ -730,8 +733,8 @@ def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
     assert gpu_program.canonical(a) != gpu_program.canonical(b.replace("multiply", "subtract"))
 
     def lines():
-        r = subprocess.run([sys.executable, str(REPO / "experiments" / "gpu_program.py"),
-                            "--rows", "64", "--at", "18"], capture_output=True, text=True,
+        r = subprocess.run([*module("gpu_program"),
+                            "--rows", "64", "--at", "18"], cwd=REPO, capture_output=True, text=True,
                            timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
         assert r.returncode == 0, r.stderr[-3000:]
         return [line.split("  ")[0] for line in r.stdout.splitlines()]
@@ -746,7 +749,7 @@ def test_gpu_program_hashes_what_a_gpu_would_compile_and_nothing_else():
 def test_heads_variants_still_apply_to_the_kernel_in_csrc(monkeypatch):
     """Each of experiments/heads_variants.py's variants is a set of replacements in csrc/dense.cu
     (each must match once); a change to the kernel that breaks one says which, here."""
-    import heads_variants
+    from experiments import heads_variants
 
     src = heads_variants.sources()
     assert src["A"] == (Path(__file__).parent.parent / "csrc" / "dense.cu").read_text()

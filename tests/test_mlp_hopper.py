@@ -160,11 +160,7 @@ def test_one_pipeline_across_a_ctas_tiles_gives_the_bits_of_one_a_tile(ctas):
 def _same_kernel():
     """experiments/same_kernel.py: the MLP's kernels as the model's calls lower them, for an H200
     (`mlp_modules`), and any lowering's Mosaic modules without locations (`modules_of`)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "experiments"))
-    import same_kernel
+    from experiments import same_kernel
 
     return same_kernel
 

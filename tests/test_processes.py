@@ -11,16 +11,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 
+from experiments import autotune  # its reader of the GEMMs in XLA's optimized HLO
 from kernjax import weights as ckpts
 from kernjax.runtime import xla
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
-import autotune  # noqa: E402  (its reader of the GEMMs in XLA's optimized HLO)
 
 
 def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
@@ -31,8 +28,8 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
     # and every program kept, however fast it compiled (JAX keeps those over 1 s: on a fast CPU none)
     env = {**os.environ, "KERNJAX_XLA_CACHE": str(tmp_path / "xla"),
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
-    py = [sys.executable, "-m"]
-    subprocess.run([*py, "kernjax", "cut", "--model", model, "--dtype", "bfloat16", "--at", at,
+    py = [sys.executable, "-m", "kernjax"]
+    subprocess.run([*py, "cut", "--model", model, "--dtype", "bfloat16", "--at", at,
                     "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
                     "--out", str(tmp_path / "cut")], env=env, check=True, capture_output=True)
     (tmp_path / "w").mkdir()
@@ -41,7 +38,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
 
     def start(stages, save):  # on a GPU each program's optimized HLO dumped, to read
         dump = f" --xla_dump_to={tmp_path}/dump-{stages} --xla_dump_hlo_as_text" if gpu else ""
-        return subprocess.Popen([*py, "kernjax", "run", "--stages", str(tmp_path / stages), "--tokens",
+        return subprocess.Popen([*py, "run", "--stages", str(tmp_path / stages), "--tokens",
                                  tokens, "--chunk", str(chunk), "--save", str(tmp_path / save)],
                                 env={**env, "XLA_FLAGS": env.get("XLA_FLAGS", "") + dump},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
