@@ -1,6 +1,6 @@
 """What the call boundaries cost: one prefill chunk of the whole program, with every call a
 compilation boundary (what kernjax runs) against an unconstrained jit of the same program (every
-call inlined bare, `trace.as_function(fences=False)`: XLA free to fuse across them).
+call inlined bare, `lower.as_function(fences=False)`: XLA free to fuse across them).
 
 The chunk is the last one of a `context`-token prompt, so attention reads the full context.
 Weights are random on the device; states are donated and fed back, as the runtime does. Prints
@@ -30,7 +30,8 @@ from kernjax import models
 from kernjax.core.cut import whole
 from kernjax.core.item import Piece, item_shape, make_item
 from kernjax.artifact import export_stage
-from kernjax.core.trace import as_function, trace
+from kernjax.core.trace import trace
+from kernjax.kernels.lower import as_function
 
 
 def _time(fn, args, states_at, iters):

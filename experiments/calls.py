@@ -1,5 +1,5 @@
 """Where a prefill chunk's time goes, call by call: each call of one program run alone, lowered as
-the platform lowers it in a stage (`kernjax.core.trace.as_function`), on random inputs of its shapes.
+the platform lowers it in a stage (`kernjax.kernels.lower.as_function`), on random inputs of its shapes.
 
 A call of a later layer with the same name and the same operand shapes as one already timed (every
 layer of a dense model, the layers of one kind in a hybrid) takes that time unless `--all`.
@@ -29,7 +29,8 @@ from jax import export
 from experiments import harness
 from kernjax import models
 from kernjax.core.item import Piece, item_shape, make_item
-from kernjax.core.trace import as_function, states_of
+from kernjax.core.trace import states_of
+from kernjax.kernels.lower import as_function
 
 
 def main():

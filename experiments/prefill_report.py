@@ -251,7 +251,7 @@ class Results:
                   f"- kernjax-2stages: `cut.cut(program, cut.points('{d['cut_at']}', program))` "
                   f"(calls {d.get('cut_points', '?')}), each stage exported and jitted with its "
                   "states donated, run back to back in this process per chunk.",
-                  "- kernjax-unconstrained: the same program's jaxpr as `trace.as_function(jaxpr, "
+                  "- kernjax-unconstrained: the same program's jaxpr as `lower.as_function(jaxpr, "
                   "platform, fences=False)`, jitted directly: every call's body inlined bare, "
                   "kernjax's own kernels (`on_gpu`) in place, no barriers (XLA may fuse across "
                   "calls), the whole program's CUDA graph cuts (since 2026-12-04: host work, "

@@ -13,7 +13,7 @@ token; `rows_ok(s, rows)` says why a row cannot run (None: it can); `to_numpy(lo
   kernjax-2stages         the same program `cut.cut` at a layer boundary (`Settings.at`, default
                           18, or the middle layer of a smaller model), the stages run back to back
                           per chunk, stage 0's departures stage 1's arrivals
-  kernjax-unconstrained   the same program's jaxpr as `trace.as_function(fences=False)`: every
+  kernjax-unconstrained   the same program's jaxpr as `lower.as_function(fences=False)`: every
                           call inlined bare (kernjax's own kernels and CUDA graph cuts too), no
                           barriers, jitted
 
@@ -39,7 +39,7 @@ from kernjax.artifact import export_stage
 from kernjax.core import lowering as lowering_
 from kernjax.core.cut import cut, points, whole
 from kernjax.core.item import Piece, chunks, item_shape, make_item
-from kernjax.core.trace import as_function
+from kernjax.kernels.lower import as_function
 from kernjax.runtime import xla
 from kernjax.runtime.tokens import Published, Token, TokenRing, ring as token_ring
 

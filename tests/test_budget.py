@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # its budget says so here, with the reason, in the commit that grows it.
 BUDGETS = {
     "kernjax/core/*.py": 1450,  # trace, cut, item, pool, pack, staging plan, lowering, family
-    "kernjax/kernels/*.py": 2300,  # one wrapper per csrc/ op and the GPU kernels, beside their refs
+    "kernjax/kernels/*.py": 2350,  # one wrapper per csrc/ op and the GPU kernels, beside their refs
     "kernjax/runtime/*.py": 1150,  # the only code that touches a device
     "kernjax/serve/*.py": 2050,  # the head, HTTP, the wire, the stage process, the timeline
     "kernjax/cli/*.py": 1050,  # the shells

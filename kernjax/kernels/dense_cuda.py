@@ -12,9 +12,10 @@ two. Here, registered with `kernjax.core.trace.on_gpu` (models/qwen3.py):
 
 A rule reads what the kernels need (eps, the heads' columns, the inverse frequencies) from the
 calls' bodies and takes only bodies of the shape it knows (their primitives, in order), bf16 with
-head_dim 128; anything else keeps XLA's lowering, as does `kernjax cut --nodense_cuda` (for A/B runs;
-the jaxpr is the same either way, the cut id is not: the lowering table holds the choice). The math is the bodies': their bits are not
-XLA's (a sum's order differs; within one bf16 step), and every process of a cut runs these.
+head_dim 128; anything else keeps XLA's lowering, as does `kernjax cut --nodense_cuda` (for A/B
+runs; the jaxpr is the same either way, the cut id is not: the lowering table holds the choice). The
+math is the bodies': their bits are not XLA's (a sum's order differs; within one bf16 step), and
+every process of a cut runs these.
 """
 
 from __future__ import annotations
