@@ -115,6 +115,25 @@ def test_help_lists_each_commands_own_flags(tmp_path):
             assert word in p.stdout, (m, word, p.stdout)
 
 
+def test_every_verbs_help_starts_with_its_usage_and_a_paragraph(tmp_path):
+    """`kernjax VERB --help` and `python -m kernjax VERB --help` both open with `Usage: kernjax
+    VERB` and a paragraph before the flags (serve's once opened with `flags:`, and under
+    `python -m` with the docstring of kernjax/__main__.py)."""
+    from kernjax.cli import VERBS
+    script = os.path.join(os.path.dirname(sys.executable), "kernjax")
+    assert os.path.isfile(script), f"no `kernjax` command beside {sys.executable}"
+    cmds = {(how, v): ([script] if how == "script" else [sys.executable, "-m", "kernjax"]) +
+            [v, "--help"] for how in ("script", "-m") for v in VERBS}
+    with ThreadPoolExecutor(4) as ex:
+        got = dict(zip(cmds, ex.map(lambda c: subprocess.run(
+            c, capture_output=True, text=True, cwd=tmp_path, timeout=300), cmds.values())))
+    for (how, verb), p in got.items():
+        assert p.returncode == 0, (how, verb, p.stderr)
+        usage, paragraph, *_ = p.stdout.split("\n\n")
+        assert usage.startswith(f"Usage: kernjax {verb} "), (how, verb, p.stdout)
+        assert paragraph.strip() and not paragraph.startswith("flags:"), (how, verb, p.stdout)
+
+
 def test_kernjax_help_lists_the_verbs_and_an_unknown_verb_is_refused(tmp_path):
     from kernjax.cli import VERBS
     got = _all({"help": ["--help"], "bad": ["cutt", "--model", MODEL]}, tmp_path)

@@ -37,10 +37,11 @@ def _accepted(cut, error, program, at) -> bool:
 
 
 def main_def():
-    """Usage: kernjax [demo] [--model NAME] [--chunk N] [--out DIR]
+    """Usage: kernjax demo [--model NAME] [--chunk N] [--out DIR]
 
-The main job: cuts the model into 2 and 3 stages and runs the chain gate on each (whole program
-and stages bitwise identical on seven prompts), showing every command it runs."""
+The main job, also what `kernjax` with no verb runs: cuts the model into 2 and 3 stages and runs
+the chain gate on each (whole program and stages bitwise identical on seven prompts), showing
+every command it runs."""
     from kernjax import models
     flags.DEFINE_string("model", models.DEFAULT, "the named model to cut")
     flags.DEFINE_integer("chunk", 64, "rows per chunk")

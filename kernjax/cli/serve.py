@@ -181,6 +181,12 @@ def _start_http(app, sock: socket.socket) -> None:
 
 
 def main_def():
+    """Usage: kernjax serve (--stage_dir DIR | --model NAME | --weights DIR)
+                     [--pp_listen HOST:PORT | --pp_head HOST:PORT] [--port N]
+
+Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an OpenAI-style API,
+/health, /metrics). Stage 0 is the head: it answers HTTP on --port and takes the other stages at
+--pp_listen; every later stage joins it with --pp_head, the head's --pp_listen address."""
     sources.source_flags()
     flags.DEFINE_string("stage_dir", None, "a stage directory made by `kernjax cut` (or whole/)")
     flags.DEFINE_string("pp_listen", None, "head: where the other stages join (HOST:PORT)")

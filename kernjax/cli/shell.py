@@ -36,7 +36,8 @@ def run(main_def) -> None:
         args = sys.argv[1:]
         if HELP & set(args[:args.index("--")] if "--" in args else args):
             own = {FLAGS[n] for n in FLAGS if id(FLAGS[n]) not in before}
-            print(usage(main_def.__doc__ or sys.modules["__main__"].__doc__ or "",
+            # the verb's own usage; never __main__'s docstring, which is kernjax/__main__.py's
+            print(usage(main_def.__doc__ or f"Usage: {sys.argv[0]} [--flags]",
                         sorted(own, key=lambda f: f.name)))
             sys.exit(0)
 

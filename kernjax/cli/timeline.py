@@ -8,7 +8,10 @@ from absl import flags
 
 
 def main_def():
-    """`kernjax timeline LOG... [--png FILE] [--first K] [--last K] [--width N]`."""
+    """Usage: kernjax timeline LOG... [--png FILE] [--first K] [--last K] [--width N]
+
+Reads the `pp item` lines of the stages' logs (kernjax serve --log_dir) and prints each stage's
+period, held and wait time per item, then a text gantt of the items (--png: also as a picture)."""
     flags.DEFINE_string("png", None, "also draw the gantt to this PNG file")
     flags.DEFINE_integer("first", 1, "the first item counted in the report and drawn (item 0 has "
                          "no previous item, so no period)", lower_bound=0)
