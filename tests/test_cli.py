@@ -91,7 +91,7 @@ def test_recut_replaces_the_previous_cut(work):
 
 
 HELP = {
-    "kernjax": ["--model: the named model to cut (default: qwen3-tiny)",
+    "kernjax": ["--model: the named model to cut: ", "qwen3-tiny-gqa5 (default: qwen3-tiny)",
                 "--chunk: rows per chunk (default: 64)", "--out"],
     "cut": ["--at", "--out", "--model", "--weights", "--dtype", "--seed",
                     "--chunk: rows per run of the program (default: 512)", "(required)"],
@@ -132,6 +132,20 @@ def test_every_verbs_help_starts_with_its_usage_and_a_paragraph(tmp_path):
         usage, paragraph, *_ = p.stdout.split("\n\n")
         assert usage.startswith(f"Usage: kernjax {verb} "), (how, verb, p.stdout)
         assert paragraph.strip() and not paragraph.startswith("flags:"), (how, verb, p.stdout)
+
+
+def test_model_flags_list_the_named_models_and_so_does_the_readme(tmp_path):
+    """The --model flag of cut, run, serve, weights and demo lists every named model of the
+    registry, and the README's sentence on the named models names exactly those."""
+    got = _all({v: [v, "--help"] for v in ("cut", "run", "serve", "weights", "demo")}, tmp_path)
+    for verb, p in got.items():
+        help_ = " ".join(re.search(r"^  --model: (.*?)(?=^  --)", p.stdout, re.M | re.S)
+                         .group(1).split())
+        assert all(n in re.findall(r"[\w.-]+", help_) for n in models.names()), (verb, help_)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = " ".join(open(os.path.join(root, "README.md"), encoding="utf-8").read().split())
+    sentence = re.search(r"The named models .*?\.(?= )", readme).group(0)
+    assert set(re.findall(r"`(\w[\w.-]*)`", sentence)) == set(models.names()), sentence
 
 
 def test_kernjax_help_lists_the_verbs_and_an_unknown_verb_is_refused(tmp_path):

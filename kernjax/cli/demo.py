@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 from absl import flags
 
+from kernjax.cli import sources
+
 
 FLAGS = flags.FLAGS
 
@@ -43,7 +45,7 @@ The main job, also what `kernjax` with no verb runs: cuts the model into 2 and 3
 the chain gate on each (whole program and stages bitwise identical on seven prompts), showing
 every command it runs."""
     from kernjax import models
-    flags.DEFINE_string("model", models.DEFAULT, "the named model to cut")
+    flags.DEFINE_string("model", models.DEFAULT, sources.model_help("the named model to cut"))
     flags.DEFINE_integer("chunk", 64, "rows per chunk")
     flags.DEFINE_string("out", None, "keep the stage artifacts here (default: a temporary "
                         "directory)")

@@ -10,8 +10,14 @@ from absl import flags
 FLAGS = flags.FLAGS
 
 
+def model_help(what: str = "a named model, with random weights") -> str:
+    """--model's help: `what`, then the named models, read from the registry."""
+    from kernjax import models
+    return f"{what}: {', '.join(models.names())}"
+
+
 def source_flags() -> None:
-    flags.DEFINE_string("model", None, "a named model, with random weights")
+    flags.DEFINE_string("model", None, model_help())
     flags.DEFINE_string("weights", None, "a Hugging Face checkpoint directory")
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "compute dtype; default: the "
                       "checkpoint's")

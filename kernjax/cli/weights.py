@@ -6,6 +6,8 @@ import time
 
 from absl import flags
 
+from kernjax.cli import sources
+
 
 FLAGS = flags.FLAGS
 
@@ -16,7 +18,7 @@ def main_def():
 The verb `random` writes the named model's deterministic random checkpoint in Hugging Face
 format (config.json, safetensors), with a small byte-level tokenizer.json that fits its
 vocabulary."""
-    flags.DEFINE_string("model", None, "the named model")
+    flags.DEFINE_string("model", None, sources.model_help("the named model"))
     flags.DEFINE_integer("seed", 0, "random seed", lower_bound=0)
     flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "dtype (default: the model's)")
     flags.DEFINE_string("out", None, "checkpoint directory to write")
