@@ -191,8 +191,12 @@ REFUSALS = {
                     "intermediate_size 256 (the stages: 128)"),
     "wrong_verb": (["weights", "randm", "--model", MODEL, "--out", "w"],
                    "the verb is random"),
-    "no_verb": (["weights", "--model", MODEL, "--out", "w"],
-                "error: the verb is random, every option is a --flag"),
+    "no_verb": (["weights", "--model", MODEL, "--out", "w/"],
+                "error: `kernjax weights` needs its verb, random: run `kernjax weights random "
+                "--model qwen3-tiny --out w/`\n"),
+    "wrong_verb_echoed": (["weights", "--seed", "2", "randm", "--model", MODEL, "--out", "w"],
+                          "the verb is random: run `kernjax weights random --seed 2 --model "
+                          "qwen3-tiny --out w`\n"),
     "tokens_other_digits": (["run", "--model", MODEL, "--tokens", "1 ١ 3"],
                             "--tokens `1 ١ 3`: `١` is not a token id; give token ids"),
     "zero_chunk": (["cut", "--model", MODEL, "--at", "1", "--out", "z", "--chunk", "0",

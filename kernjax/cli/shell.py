@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import signal
 import sys
 import textwrap
@@ -46,9 +47,11 @@ def run(main_def) -> None:
             extra = argv[1:]
             takes, verbs = getattr(main, "takes_args", False), getattr(main, "verbs", [])
             if not takes and extra != verbs[:1]:
-                fail((f"unexpected arguments {extra}; " if extra else "") + (
-                    f"the verb is {verbs[0]}, " if verbs else "") + "every option is a --flag "
-                    "(see --help)")
+                if not verbs:
+                    fail(f"unexpected arguments {extra}; every option is a --flag (see --help)")
+                fail((f"unexpected arguments {extra}; the verb is {verbs[0]}" if extra else
+                      f"`{sys.argv[0]}` needs its verb, {verbs[0]}") +
+                     f": run `{_with_verb(verbs[0], args, extra)}`")
             try:  # kernjax's own errors (CutError, StageError, ...) are ValueError or RuntimeError
                 return main(extra) if takes else main()
             except (ValueError, RuntimeError, OSError) as e:
@@ -59,6 +62,16 @@ def run(main_def) -> None:
         app.run(wrapped, flags_parser=_parse)
     except KeyboardInterrupt as e:
         _exit_now(str(e))
+
+
+def _with_verb(verb: str, args: list[str], extra: list[str]) -> str:
+    """The command line the user meant: the verb, then their own flags without the stray
+    `extra` words."""
+    args = list(args)
+    for word in reversed(extra):  # a stray word follows the flags; a flag's value may equal it
+        if word in args:
+            del args[len(args) - 1 - args[::-1].index(word)]
+    return shlex.join([*sys.argv[0].split(), verb, *args])
 
 
 # Seconds after Ctrl-C (or SIGTERM) before the process ends without its KeyboardInterrupt: one
