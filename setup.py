@@ -10,7 +10,10 @@ not set, csrc/*.cu are also compiled with nvcc and linked into the same
 extension with a static cudart (so importing it needs no GPU or CUDA install),
 and KERNJAX_CUDA=1 tells csrc/module.cc to register the CUDA handlers.
 KERNJAX_CUDA_ARCH overrides the GPU targets: compute capabilities separated by
-commas, default "90"; SASS for each, plus PTX for the last.
+commas, default "90"; SASS for each, plus PTX for the last. The nvcc objects
+stay in build/nvcc/ between builds (pip builds each in a new temporary
+directory), and one is compiled again only when its source, a csrc/*.h, its
+command line, nvcc's version or jax's changed; `build_ext --force` compiles all.
 
     pip install --no-build-isolation -e .    # or without -e
 """
@@ -68,22 +71,54 @@ def gencode_flags():
     return flags + ["-gencode", f"arch=compute_{archs[-1]},code=compute_{archs[-1]}"]
 
 
+# The nvcc objects, kept between builds: pip builds an editable install in a new temporary
+# directory each time, and the CUDA files are most of the build's time.
+NVCC_OBJS = os.path.join("build", "nvcc")
+
+
+def up_to_date(obj, key, deps):
+    """Whether `obj` was compiled by the command `key` names and is newer than each of `deps`."""
+    try:
+        with open(obj + ".cmd") as f:
+            return f.read() == key and os.path.getmtime(obj) >= max(map(os.path.getmtime, deps))
+    except OSError:
+        return False
+
+
 class BuildExt(build_ext):
-    """build_ext that adds the nvcc-compiled csrc/*.cu objects when it can."""
+    """build_ext that adds the nvcc-compiled csrc/*.cu objects when it can; an object whose
+    source, csrc headers, nvcc command, nvcc and jax are unchanged is not compiled again."""
 
     def build_extension(self, ext):
         nvcc = find_nvcc()
         cu_sources = sorted(glob.glob("csrc/*.cu"))
         if nvcc and cu_sources:
-            os.makedirs(self.build_temp, exist_ok=True)
-            objs = [os.path.join(self.build_temp, os.path.basename(s) + ".o") for s in cu_sources]
+            os.makedirs(NVCC_OBJS, exist_ok=True)
+            objs = [os.path.join(NVCC_OBJS, os.path.basename(s) + ".o") for s in cu_sources]
             cmds = [[nvcc, "-c", src, "-o", obj, "-O2", "-std=c++17",
                      "-Xcompiler", "-fPIC,-fvisibility=hidden",
                      *gencode_flags(), *(f"-I{d}" for d in ext.include_dirs)]
                     for src, obj in zip(cu_sources, objs)]
-            # one nvcc per source at once: the CUDA files are most of the build's time
-            with concurrent.futures.ThreadPoolExecutor(min(len(cmds), os.cpu_count() or 1)) as ex:
-                list(ex.map(self.spawn, cmds))
+            version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+            keys = ["\n".join([*cmd, f"jax {jax.__version__}", version]) for cmd in cmds]
+            headers = glob.glob("csrc/*.h")
+            todo = [(cmd, obj, key) for cmd, obj, key, src in zip(cmds, objs, keys, cu_sources)
+                    if self.force or not up_to_date(obj, key, [src, *headers])]
+
+            def compile_one(job):
+                cmd, obj, key = job
+                if os.path.exists(obj + ".cmd"):
+                    os.remove(obj + ".cmd")
+                self.spawn(cmd)
+                with open(obj + ".cmd", "w") as f:
+                    f.write(key)
+
+            print(f"nvcc: {len(todo)} of {len(cmds)} CUDA objects to compile, the rest in "
+                  f"{NVCC_OBJS} are up to date")
+            if todo:  # one nvcc per source at once
+                workers = min(len(todo), os.cpu_count() or 1)
+                with concurrent.futures.ThreadPoolExecutor(workers) as ex:
+                    list(ex.map(compile_one, todo))
             ext.extra_objects += objs
             include_dir, lib_dir = cuda_dirs(nvcc)
             ext.define_macros.append(("KERNJAX_CUDA", "1"))
