@@ -250,7 +250,9 @@ REFUSALS = {
                            "ck2` holds other tensors than when `sw2/stage0` was cut from it; "
                            "pass --weights"),
     "auto_without_profile": (["cut", "--model", MODEL, "--at", "auto", "--out", "z"],
-                             "--at auto needs --profile FILE"),
+                             "--at auto needs --profile FILE: per-call times from `python -m "
+                             "experiments.calls --model qwen3-tiny --rows 512 --out FILE`, run "
+                             "from the root of a kernjax clone"),
     "auto_other_rows": (["cut", "--model", MODEL, "--at", "auto", "--out", "z",
                          "--profile", "prof.json", "--chunk", "32"],
                         "times qwen3-tiny at 64 rows; this cut is qwen3-tiny at 32"),

@@ -28,7 +28,8 @@ calls; they are part of the cut id, so every stage and whole/ share them."""
                         " or `auto`: --stages stages of even periods by --profile")
     flags.DEFINE_integer("stages", 2, "with --at auto: how many stages")
     flags.DEFINE_string("profile", None, "with --at auto: per-call times, as "
-                        "`python -m experiments.calls --out` writes them for this model and --chunk")
+                        "`python -m experiments.calls --out` writes them for this model and --chunk "
+                        "(run it from the root of a kernjax clone)")
     flags.DEFINE_string("out", None, "directory for stage0/ .. stageN/ and whole/")
     flags.DEFINE_integer("chunk", 512, "rows per run of the program")
     flags.DEFINE_integer("seqs", 4, "sequences one item may hold (packed prefill)")
@@ -79,7 +80,10 @@ def main():
     if FLAGS.at.strip() == "auto":
         if not FLAGS.profile:
             raise ValueError("--at auto needs --profile FILE: per-call times from `python -m "
-                             "experiments.calls --out` on the device that will run the stages")
+                             f"experiments.calls --model {FLAGS.model or 'NAME'} --rows "
+                             f"{FLAGS.chunk} --out FILE`, run from the root of a kernjax clone "
+                             "(experiments/ is not installed) on the device that will run the "
+                             "stages")
         ms = profile_times(FLAGS.profile, program, cfg.name)
         stages, points, periods = cut.auto(program, ms, FLAGS.stages, lowering=lowering)
         even = sum(periods) / len(periods)
@@ -111,7 +115,8 @@ def profile_times(path, program, model: str) -> list[float]:
     if prof.get("model") != model or prof.get("rows") != program.rows:
         raise ValueError(f"--profile `{path}` times {prof.get('model')} at {prof.get('rows')} "
                          f"rows; this cut is {model} at {program.rows} (re-run `python -m "
-                         f"experiments.calls --model {model} --rows {program.rows}`)")
+                         f"experiments.calls --model {model} --rows {program.rows}` from the "
+                         "root of a kernjax clone)")
     missing = [c for c in program.calls if c not in got]
     if missing:
         raise ValueError(f"--profile `{path}` has no time for {', '.join(missing[:5])}"
