@@ -3,15 +3,21 @@ a prompt."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from absl import flags
+
+from kernjax.cli import shell
 
 FLAGS = flags.FLAGS
 
 
 def model_help(what: str = "a named model, with random weights") -> str:
-    """--model's help: `what`, then the named models, read from the registry."""
+    """--model's help: `what`, then the named models, read from the registry when the command
+    prints its help (else not: a stage host imports no model code)."""
+    if not {*shell.HELP, "--helpfull", "-helpfull"} & set(sys.argv[1:]):
+        return what
     from kernjax import models
     return f"{what}: {', '.join(models.names())}"
 
