@@ -41,8 +41,9 @@ def _clean(text: str) -> None:
 @pytest.mark.parametrize("flag, words", [
     (["--max_seqs", "0"], "--max_seqs 0: the head must admit at least 1"),
     (["--stage_timeout", "0.5"], "every 0.25 s (the ping period)"),
-    (["--port", "70000"], "--port 70000 is not a TCP port; give one in 1..65535"),
-    (["--pp_listen", "127.0.0.1:0"], "port 0 is not in 1..65535"),
+    (["--port", "70000"], "--port 70000 is not a TCP port; give one in 1..65535 (0: any free "
+                          "one)"),
+    (["--pp_head", "127.0.0.1:0"], "port 0 is not in 1..65535"),  # a listener's port 0 only
     (["--log_dir", "x", "--log_file", "y"], "not both"),
 ])
 def test_careless_flags_are_refused_at_startup(cut, flag, words):
