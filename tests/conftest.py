@@ -8,6 +8,7 @@ import shutil
 import tempfile
 
 import numpy as np
+import pytest
 
 
 def pytest_configure(config):
@@ -25,6 +26,16 @@ LONGEST = ["test_experiments.py", "test_serve.py", "test_k3.py", "test_cli.py", 
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda it: LONGEST.index(it.path.name) if it.path.name in LONGEST else 99)
+
+
+@pytest.fixture
+def procs():
+    """Starts `kernjax serve` processes (tests/serving.py) and kills and reaps every one after
+    the test, whether it passed or failed."""
+    from tests.serving import Procs
+    started = Procs()
+    yield started
+    started.stop()
 
 
 def prompts(chunk: int, vocab: int) -> list[list[int]]:

@@ -127,6 +127,30 @@ def test_chain_detects_a_difference(setup):
     assert "DIFFERENT" in lines[0] and lines[-1].startswith("FAIL")
 
 
+def test_chain_refuses_a_pipeline_that_stops_a_chunk_early(setup):
+    """The chunks are paired strictly: a split that gives one chunk fewer than the whole program
+    (its chunks so far identical) is an error, not a shorter comparison that passes."""
+    chunk, _, _, whole_pipe = setup
+    prompt = prompts(chunk, CFG.vocab)[4]  # 2 * chunk + 7 tokens: 3 chunks
+    whole_pipe.reset()
+    got = list(whole_pipe.prefill(prompt, chunk=chunk))
+    assert len(got) == 3
+
+    class Short:  # the whole program's own chunks, less the last
+        runners = whole_pipe.runners
+
+        def reset(self):
+            pass
+
+        def prefill(self, tokens, *, chunk):
+            return iter(got[:-1])
+
+    lines = []
+    with pytest.raises(ValueError, match="zip"):
+        chain(whole_pipe, Short(), [prompt], chunk=chunk, say=lines.append)
+    assert not any("PASS" in x for x in lines), lines
+
+
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "kernjax", *args], capture_output=True, text=True, **kw)
 

@@ -13,7 +13,6 @@ stages of qwen3-tiny cut into 2 and 3 stages run those programs over shared-memo
 from __future__ import annotations
 
 import threading
-import time
 
 import jax
 import numpy as np
@@ -115,36 +114,51 @@ one_stream = pytest.mark.skipif(
     "a held stage blocks the one queued behind it; test_serve covers this across processes")
 
 
+def _logits(edged) -> bytes:
+    """The logits' bytes of what `run_edged` returned."""
+    return np.asarray(edged[0]["logits"]).tobytes()
+
+
 @one_stream
 def test_downstream_waits_for_its_arrivals_and_upstream_runs_ahead_by_the_slots(built):
+    """Stage 1 issued before its arrivals exist, and stage 0 issued for an item whose slot
+    stage 1 still holds, each wait: still running half a second later (a wait cannot end
+    early, however loaded the machine), and each then gives the whole program's logits, bit
+    for bit, which a stage that read its slot early (empty, or overwritten by item 3) would not."""
     program, runners = built
+    whole_r = runners([whole(program)], "whole")[0]
     s0, s1 = runners(cut(program, [14]), "c14")
+    its = items(5 * CHUNK, 4)
+    whole_r.reset()
+    want = [np.asarray(whole_r.run(it)[1]["logits"]).tobytes() for it in its[:4]]
     s0.reset()
     s1.reset()
     edges = edges_for([s0, s1], 2)
-    its = items(5 * CHUNK, 4)
+    got = {}
     try:
         # stage 1 issued first: it waits on the device for item 0's arrivals
         t1, box1 = _run_in_thread(lambda: s1.run_edged(its[0], 0))
-        time.sleep(0.5)
+        t1.join(0.5)
         assert t1.is_alive() and "out" not in box1
         jax.block_until_ready(s0.run_edged(its[0], 0))
-        t1.join(30)
+        t1.join(60)
         assert "out" in box1, box1.get("error")
+        got[0] = _logits(box1["out"])
         # stage 0 runs items 1 and 2 into the two slots; item 3 would need item 1's slot back
         jax.block_until_ready(s0.run_edged(its[1], 1))
         jax.block_until_ready(s0.run_edged(its[2], 2))
         t0, box0 = _run_in_thread(lambda: s0.run_edged(its[3], 3))
-        time.sleep(0.5)
+        t0.join(0.5)
         assert t0.is_alive() and edges[0].arrived == 3
-        jax.block_until_ready(s1.run_edged(its[1], 1))  # frees slot 1
-        t0.join(30)
+        got[1] = _logits(jax.block_until_ready(s1.run_edged(its[1], 1)))  # frees slot 1
+        t0.join(60)
         assert "out" in box0, box0.get("error")
         assert edges[0].arrived == 4 and edges[0].taken == 2
         for k in (2, 3):  # drain, so nothing runs on the edge when it closes
-            jax.block_until_ready(s1.run_edged(its[k], k))
+            got[k] = _logits(jax.block_until_ready(s1.run_edged(its[k], k)))
     finally:
         close(edges)
+    assert [got[k] == want[k] for k in range(4)] == [True] * 4
 
 
 @pytest.mark.skipif(jax.default_backend() == "gpu", reason="on a GPU a stalled hold traps, "

@@ -41,14 +41,19 @@ def _assert_bitwise(out, expected):
     np.testing.assert_array_equal(_bits(out), _bits(expected))
 
 
-def test_extension_imports():
+def test_extension_imports(monkeypatch):
     from kernjax import _ffi
 
     assert ffi.available()
     assert _ffi.jax_version() == jax.__version__
-    assert isinstance(_ffi.has_cuda(), bool)
+    # CUDA compiled in or not: the CUDA handlers are there exactly when it says so
+    assert _ffi.has_cuda() is bool(_ffi.registrations()["cuda"])
     ffi.register()
-    ffi.register()  # idempotent
+    assert ffi._registered
+    calls = []  # idempotent: a second call registers nothing again
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: calls.append(a))
+    ffi.register()
+    assert calls == []
 
 
 def test_missing_or_stale_extension_is_a_clear_error(monkeypatch):
@@ -159,7 +164,7 @@ def test_wait_word_returns_once_the_word_is_reached_or_the_time_is_up():
     assert _ffi.wait_word(word.ctypes.data, 7, 5.0) == 7
     t = time.perf_counter()
     assert _ffi.wait_word(word.ctypes.data, 8, 0.05) == 7  # times out with what it saw
-    assert 0.05 <= time.perf_counter() - t < 2.0
+    assert 0.05 <= time.perf_counter() - t < 30  # after its time; only a hang takes 30 s
 
 
 def test_mark_side_effect_survives_unused_result():

@@ -10,6 +10,7 @@ import contextlib
 import gzip
 import json
 import logging
+import re
 import threading
 import time
 
@@ -290,42 +291,51 @@ def test_text_too_long_for_the_context_is_refused_before_tokenizing(head, ckpt):
 
 
 def test_health_answers_while_a_prompt_is_parsed_and_tokenized(head, ckpt):
+    """The tokenizer is held until /health has answered: it answers while a prompt is being
+    tokenized (tokenizing on the event loop's thread, it would wait for the release that comes
+    only after it: the test's 60 s)."""
     tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    where = []
+    where, started, release = [], threading.Event(), threading.Event()
 
-    class Slow:
+    class Held:
         def encode(self, text, **kw):
             where.append(threading.current_thread() is threading.main_thread())
-            time.sleep(1.5)
+            started.set()
+            release.wait(60)
             return tok.encode(text, **kw)
 
         def decode(self, ids):
             return tok.decode(ids)
 
     async def go():
-        async with client(head, tokenizer=Slow()) as c:
+        async with client(head, tokenizer=Held()) as c:
             slow = asyncio.create_task(post(c, {"prompt": "w5 w6"}))
-            await asyncio.sleep(0.3)
-            t0 = time.time()
-            r = await c.get("/health")
-            took = time.time() - t0
-            return r.status, took, slow.done(), await slow
-    status, took, done, (s, _) = run(go())
-    assert status == 200 and took < 0.5 and not done and s == 200
+            while not started.is_set():
+                await asyncio.sleep(0.01)
+            try:
+                r = await asyncio.wait_for(c.get("/health"), 30)
+                status, done = r.status, slow.done()
+            finally:
+                release.set()
+            return status, done, await slow
+    status, done, (s, _) = run(go())
+    assert status == 200 and not done and s == 200
     assert where == [False]
 
 
 def test_a_slow_body_gets_408_and_health_answers_meanwhile(head):
     async def go():
         async with client(head, body_timeout=1.0) as c:
-            t0 = time.time()
-            slow = asyncio.create_task(raw(c, request("/v1/completions", 100, b'{"prompt": [')))
+            # answered at all within 30 s: the body timeout (1 s, which the answer names) ended
+            # the wait for the 100 bytes that never come
+            slow = asyncio.create_task(raw(c, request("/v1/completions", 100, b'{"prompt": ['),
+                                           seconds=30))
             await asyncio.sleep(0.2)
             health = (await c.get("/health")).status
             answer = await slow
-            return health, answer, time.time() - t0
-    health, answer, took = run(go())
-    assert health == 200 and answer.startswith(b"HTTP/1.1 408") and took < 5, answer[:300]
+            return health, answer
+    health, answer = run(go())
+    assert health == 200 and answer.startswith(b"HTTP/1.1 408"), answer[:300]
     assert b"did not arrive within 1 s" in answer
 
 
@@ -366,12 +376,28 @@ class _Gate:
         return self.runner.run(item)
 
 
+def _counts(text: str) -> dict:
+    """The request outcomes /metrics counts: {outcome: count}."""
+    return {m[1]: float(m[2]) for m in
+            re.finditer(r'^kernjax_requests_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+async def _outcomes(c) -> dict:
+    return _counts(await (await c.get("/metrics")).text())
+
+
+def _added(before: dict, after: dict) -> dict:
+    """The outcomes counted between two reads of /metrics (a module's head counts them all)."""
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
 def test_a_request_whose_client_has_gone_is_dropped_before_it_is_packed(head):
     gate = head.runner = _Gate(head.runner)
     body = json.dumps({"prompt": [[4, 5, 6], [7]], "stream": True}).encode()  # a batch, streamed
 
     async def go():
         async with client(head) as c:
+            before = await _outcomes(c)
             first = asyncio.create_task(post(c, {"prompt": [1, 2, 3]}))
             while not gate.entered.is_set():
                 await asyncio.sleep(0.02)
@@ -386,17 +412,19 @@ def test_a_request_whose_client_has_gone_is_dropped_before_it_is_packed(head):
                 await asyncio.sleep(0.02)
             gate.go.set()
             s1, _ = await first
-            await asyncio.sleep(0.3)
+            for _ in range(1500):  # until the head holds nothing: the gone request dropped or run
+                if not (head.queue or head.live or head.inflight):
+                    break
+                await asyncio.sleep(0.02)
             items = gate.items
             s2, _ = await post(c, {"prompt": [7, 8]})
-            metrics = await (await c.get("/metrics")).text()
-            return s1, s2, items, gate.items, metrics
+            return s1, s2, items, gate.items, _added(before, await _outcomes(c))
     try:
-        s1, s2, items, after, metrics = run(go())
+        s1, s2, items, after, added = run(go())
     finally:
         head.runner = gate.runner
     assert (s1, s2, items, after) == (200, 200, 1, 2), (s1, s2, items, after)
-    assert 'kernjax_requests_total{outcome="abandoned"} 1.0' in metrics
+    assert added == {"ok": 2, "abandoned": 1}, added
     assert head.pool.in_use == 0 and not head.queue and not head.live
 
 
@@ -439,14 +467,11 @@ def test_bodies_and_requests_http_cannot_read_are_one_counted_line_each(head, ca
     aiohttp's 400, logged in one line and counted. A client gone halfway through its body:
     counted abandoned. No traceback for any."""
     caplog.set_level(logging.DEBUG)
-
-    def counts(text: str) -> dict:
-        return {k: float(x.rsplit(" ", 1)[1]) for k in ("bad_request", "abandoned") for x in
-                text.splitlines() if x.startswith(f'kernjax_requests_total{{outcome="{k}"}}')}
+    want = {"bad_request": 2, "abandoned": 1}
 
     async def go():
         async with client(head) as c:
-            before = counts(await (await c.get("/metrics")).text())
+            before = await _outcomes(c)
             bad = await post(c, b"notgzip", headers={"Content-Encoding": "gzip"})
             framing = await raw(c, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
                                    b"Content-Length: -1\r\n\r\n")
@@ -454,12 +479,15 @@ def test_bodies_and_requests_http_cannot_read_are_one_counted_line_each(head, ca
             w.write(request("/v1/completions", 100, b'{"prompt": [1,'))
             await w.drain()
             w.close()
-            await asyncio.sleep(0.5)
-            return bad, framing, before, counts(await (await c.get("/metrics")).text())
-    bad, framing, before, after = run(go())
+            for _ in range(1500):  # until the gone client is counted too (or 30 s)
+                if (added := _added(before, await _outcomes(c))) == want:
+                    break
+                await asyncio.sleep(0.02)
+            return bad, framing, added
+    bad, framing, added = run(go())
     assert bad[0] == 400 and "could not be read" in bad[1]["error"]["message"], bad
     assert framing.split(b"\r\n")[0].endswith(b" 400 Bad Request"), framing
-    assert {k: after[k] - before.get(k, 0) for k in after} == {"bad_request": 2, "abandoned": 1}
+    assert added == want, added
     lines = [r for r in caplog.records if r.name in ("aiohttp.server", "kernjax.serve.http")]
     said = [r.getMessage() for r in lines]
     assert any("could not be read" in m for m in said) and any(

@@ -230,14 +230,14 @@ def test_derive_stages_sources_first_fit_and_makes_the_shuffle_layout():
 
 # ---- serving ----
 
-def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
+def test_two_stage_serving_answers_like_the_single_process_server(tmp_path, procs):
     """k3-mini cut at layer 2 served as two processes (slots leased with pages by the head) and
-    as one, on 7 prompts one at a time and all at once (packed): the same first tokens, over the
+    as one, on 7 prompts one at a time and all at once (packed): the same tokens, over the
     host transport and over shared memory."""
     import subprocess
     import sys
 
-    from tests.test_serve import Pipeline as Serving
+    from tests.serving import Pipeline
     from tests.test_serve import _complete, _metric, _tokens
 
     out = tmp_path / "cut"
@@ -247,22 +247,19 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path):
     assert p.returncode == 0, p.stderr
     rng = np.random.default_rng(7)
     ps = [rng.integers(0, CFG.vocab, n).tolist() for n in (1, 31, 32, 33, 100, 200, 500)]
-    (tmp_path / "one").mkdir()
-    one = Serving(out, tmp_path / "one", stages=1)
-    try:
-        want = _tokens(_complete(one.http, ps, concurrent=False, model="k3-mini"))
-    finally:
-        one.stop()
-    for transport in ("host", "shm"):  # shm: the stages' programs move the activations
-        (tmp_path / f"two-{transport}").mkdir()
-        two = Serving(out, tmp_path / f"two-{transport}", stages=2,
-                      extra=("--transport", transport))
-        try:
-            assert _tokens(_complete(two.http, ps, concurrent=False, model="k3-mini")) == want
-            assert _tokens(_complete(two.http, ps, concurrent=True, model="k3-mini")) == want
-            assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
-        finally:
-            two.stop()
+    pipes = {}  # all three start at once
+    for name, stages, extra in (("one", 1, ()), ("host", 2, ("--transport", "host")),
+                                ("shm", 2, ("--transport", "shm"))):  # shm: the stages' programs
+        (tmp_path / name).mkdir()                                      # move the activations
+        pipes[name] = Pipeline(procs, out, tmp_path / name, stages=stages, extra=extra)
+    for pipe in pipes.values():
+        pipe.start_stages()
+    want = _tokens(_complete(pipes["one"].ready().http, ps, concurrent=False, model="k3-mini"))
+    for transport in ("host", "shm"):
+        two = pipes[transport].ready()
+        assert _tokens(_complete(two.http, ps, concurrent=False, model="k3-mini")) == want
+        assert _tokens(_complete(two.http, ps, concurrent=True, model="k3-mini")) == want
+        assert _metric(two.http, "kernjax_slots_in_use") == 0, "every slot back in the pool"
 
 
 def test_a_stage_derives_only_what_its_calls_read(tmp_path):

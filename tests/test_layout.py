@@ -7,13 +7,12 @@ from __future__ import annotations
 import ast
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import urllib.error
 import urllib.request
 from pathlib import Path
+
+from tests.serving import HTTP, until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -174,25 +173,19 @@ def test_a_cut_runs_chains_and_serves_with_the_model_code_unimportable(tmp_path)
     assert p.returncode == 0 and "first token" in p.stdout, p.stderr
     probe = blocked("run", "--model", "qwen3-tiny", "--tokens", "5")  # the probe refuses models
     assert probe.returncode != 0 and "a stage host imports no model code" in probe.stderr
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-c", NO_MODELS, "serve", "--stage_dir", "st/whole",
-                               "--port", str(port)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:  # on a port it picks (--port 0), which its log names
+        server = subprocess.Popen([sys.executable, "-c", NO_MODELS, "serve", "--stage_dir",
+                                   "st/whole", "--port", "0"], cwd=tmp_path, env=env, stdout=out,
+                                  stderr=subprocess.STDOUT)
     try:
+        assert until(lambda: "serving" in log.read_text() or server.poll() is not None, 240) \
+            and server.poll() is None, log.read_text()
+        url = f"http://127.0.0.1:{HTTP.search(log.read_text()).group(1)}/v1/completions"
         body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 1}).encode()
-        deadline, answer = time.time() + 240, None
-        while answer is None and time.time() < deadline and server.poll() is None:
-            try:
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
-            except (urllib.error.URLError, ConnectionError):
-                time.sleep(0.5)
-        assert answer is not None, server.communicate(timeout=5)[0] if server.poll() is not None \
-            else "no answer in 240 s"
+        req = urllib.request.Request(url, body, {"Content-Type": "application/json"})
+        answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
         assert len(answer["choices"]) == 1, answer
     finally:
-        server.terminate()
-        server.wait(timeout=30)
+        server.kill()
+        server.wait()

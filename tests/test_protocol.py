@@ -114,24 +114,41 @@ def test_prefix_is_sixteen_bytes():
     assert PREFIX.size == 16 and struct.calcsize("<2sBBIQ") == 16
 
 
-def test_a_deadline_holds_while_bytes_trickle():
-    a, b = _pair()
-    frame = encode("HELLO", {"stage": 1})
-
-    def trickle():
-        for byte in frame:
-            try:
-                a.send(bytes([byte]))
-            except OSError:
+def _trickle(sock: socket.socket, data: bytes, every: float, stop: threading.Event) -> None:
+    """Sends `data` a byte every `every` seconds from a thread, until `stop` or the connection
+    goes."""
+    def go():
+        for byte in data:
+            if stop.wait(every):
                 return
-            time.sleep(0.1)
+            try:
+                sock.send(bytes([byte]))
+            except OSError:  # closed by the test between the wait and the send
+                return
+    threading.Thread(target=go, daemon=True).start()
 
-    threading.Thread(target=trickle, daemon=True).start()
-    t0 = time.time()
-    with pytest.raises(ProtocolError, match="peer sent no complete frame in time"):
-        Conn(b, name="peer").recv(timeout=0.6)
-    assert time.time() - t0 < 1.5
-    a.close()
+
+def _long_hello() -> bytes:
+    """A Hello of about 400 bytes: 120 s at a byte every 0.3 s."""
+    return encode("HELLO", {"ok": True, "pad": "x" * 350})
+
+
+def test_a_deadline_holds_while_bytes_trickle():
+    """recv(timeout=0.6) against a frame trickling in for 120 s, a byte every 0.3 s: the deadline
+    holds for the frame, not for each byte (bounded at 30 s, which only a deadline that does not
+    hold, or a hang, exceeds)."""
+    a, b = _pair()
+    stop = threading.Event()
+    try:
+        _trickle(a, _long_hello(), 0.3, stop)
+        t0 = time.monotonic()
+        with pytest.raises(ProtocolError, match="peer sent no complete frame in time"):
+            Conn(b, name="peer").recv(timeout=0.6)
+        assert time.monotonic() - t0 < 30
+    finally:
+        stop.set()
+        a.close()
+        b.close()
 
 
 def _handshakes(server, *, wait=5.0, deadline=5.0):
@@ -163,6 +180,9 @@ def test_a_refusal_is_logged_on_one_line_whatever_the_peer_sent():
 
 
 def test_silent_and_malformed_peers_delay_no_handshake():
+    """Five silent peers, each given 60 s to speak, and three malformed ones connect first; a real
+    peer that connects then is taken at once (one at a time, the silent ones would hold it 300 s:
+    bounded at 30 s, which only that or a hang exceeds)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         addr = server.getsockname()
         silent = [socket.create_connection(addr) for _ in range(5)]
@@ -179,18 +199,17 @@ def test_silent_and_malformed_peers_delay_no_handshake():
             return None
 
         th = threading.Thread(target=lambda: out.append(handshakes(
-            server, take, done=lambda: bool(got), deadline=time.time() + 5, log=lines.append,
-            wait=5.0)))
+            server, take, done=lambda: bool(got), deadline=time.time() + 120, log=lines.append,
+            wait=60.0)))
         th.start()
-        end = time.time() + 5
-        while len(lines) < 3 and time.time() < end:  # the bad ones are refused while the
-            time.sleep(0.02)                          # silent ones still wait
+        end = time.monotonic() + 30
+        while len(lines) < 3 and time.monotonic() < end:  # the bad ones are refused while the
+            time.sleep(0.02)                               # silent ones still wait
         assert len(lines) >= 3, lines
         good = socket.create_connection(addr)  # and then a real peer joins at once
         good.sendall(encode("HELLO", {"ok": True}))
-        t0 = time.time()
-        th.join(5)
-        assert out and out[0] and time.time() - t0 < 2, lines
+        th.join(30)
+        assert out and out[0], lines
         kind, header, _ = Conn(bad[2], name="bad").recv()
         assert kind == "ERROR" and header["message"].startswith("not ok: HELLO")
         for sock in silent + bad + [good]:
@@ -200,37 +219,37 @@ def test_silent_and_malformed_peers_delay_no_handshake():
 
 
 def test_the_deadline_holds_against_silent_and_trickling_peers():
+    """A 1 s deadline against a silent peer given 300 s to speak and a Hello trickling in for
+    120 s: handshakes returns, without a peer, within 30 s (which only a deadline that does not
+    hold, or a hang, exceeds)."""
     with socket.create_server(("127.0.0.1", 0)) as server:
         addr = server.getsockname()
         silent = socket.create_connection(addr)
         slow = socket.create_connection(addr)
         stop = threading.Event()
-
-        def trickle():
-            for byte in encode("HELLO", {"ok": True}):
-                if stop.wait(0.2):
-                    return
-                try:
-                    slow.send(bytes([byte]))
-                except OSError:  # closed by the test between the wait and the send
-                    return
-
-        threading.Thread(target=trickle, daemon=True).start()
-        t0 = time.time()
-        got, lines, done = _handshakes(server, wait=10.0, deadline=1.0)
-        assert not done and not got and time.time() - t0 < 1.6
-        stop.set()
-        silent.close()
-        slow.close()
+        try:
+            _trickle(slow, _long_hello(), 0.3, stop)
+            t0 = time.monotonic()
+            got, lines, done = _handshakes(server, wait=300.0, deadline=1.0)
+            assert not done and not got and time.monotonic() - t0 < 30, lines
+        finally:
+            stop.set()
+            silent.close()
+            slow.close()
 
 
 def test_a_handshake_slower_than_its_wait_is_refused():
     with socket.create_server(("127.0.0.1", 0)) as server:
         addr = server.getsockname()
         silent = socket.create_connection(addr)
-        late = threading.Timer(1.0, lambda: socket.create_connection(addr).sendall(
-            encode("HELLO", {"ok": True})))
+        peers = [silent]
+        late = threading.Timer(1.0, lambda: peers.append(socket.create_connection(addr)) or
+                               peers[-1].sendall(encode("HELLO", {"ok": True})))
         late.start()
-        got, lines, done = _handshakes(server, wait=0.5, deadline=5.0)
-        assert done and any("no complete frame in time" in ln for ln in lines), lines
-        silent.close()
+        try:
+            got, lines, done = _handshakes(server, wait=0.5, deadline=30.0)
+            assert done and any("no complete frame in time" in ln for ln in lines), lines
+        finally:
+            late.join()
+            for sock in peers:
+                sock.close()

@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -21,81 +20,11 @@ import pytest
 
 from kernjax import models
 from tests.conftest import add_tokenizer
+from tests.serving import Pipeline, Procs, refusing_port, until, writers
 
 _, CFG = models.named("qwen3-tiny")
 CONTEXT = 512
 LENGTHS = [1, 31, 32, 33, 100, 200, 500]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Proc:
-    def __init__(self, args, log: Path, gpu: int | None = None):
-        self.log = log
-        env = dict(os.environ) if gpu is None else {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu)}
-        self.p = subprocess.Popen([sys.executable, "-m", "kernjax", "serve", *args],
-                                  stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def wait_for(self, words: str, seconds: float = 60, times: int = 1) -> None:
-        """Until the log says `words` (`times` times), the process ends, or `seconds` pass."""
-        deadline = time.time() + seconds
-        while self.text().count(words) < times and time.time() < deadline and \
-                self.p.poll() is None:
-            time.sleep(0.2)
-
-
-def _head(stage_dir: Path, pp: int, port: int, log: Path, *extra: str, gpu=None) -> Proc:
-    return Proc(["--stage_dir", str(stage_dir), "--pp_listen", f"127.0.0.1:{pp}",
-                 "--port", str(port), *extra], log, gpu)
-
-
-def _joiner(stage_dir: Path, pp: int, log: Path, *extra: str, gpu=None) -> Proc:
-    return Proc(["--stage_dir", str(stage_dir), "--pp_head", f"127.0.0.1:{pp}", *extra], log,
-                gpu)
-
-
-class Pipeline:
-    """A head and its stages, started from one cut directory; stopped at the end."""
-
-    def __init__(self, cut: Path, tmp: Path, *, stages: int, timeout: float = 60,
-                 extra: tuple = (), gpus: int = 0):
-        self.port, pp = _port(), _port()
-        self.http = f"http://127.0.0.1:{self.port}"
-        if stages == 1:  # flags from a file, as absl allows
-            (tmp / "whole.flags").write_text(f"--stage_dir={cut / 'whole'}\n--port={self.port}\n")
-            self.procs = [Proc([f"--flagfile={tmp / 'whole.flags'}"], tmp / "whole.log")]
-        else:
-            gpu = (lambda s: s % gpus) if gpus else (lambda s: None)  # noqa: E731
-            self.procs = [_head(cut / "stage0", pp, self.port, tmp / "stage0.log",
-                                "--stage_timeout", str(timeout), *extra, gpu=gpu(0))]
-            self.procs += [_joiner(cut / f"stage{s}", pp, tmp / f"stage{s}.log", *extra,
-                                   gpu=gpu(s)) for s in range(1, stages)]
-        self.pp = pp
-        deadline = time.time() + 120
-        while time.time() < deadline:  # the head binds HTTP first, and says "serving" once joined
-            if "serving" in self.procs[0].text():
-                return
-            if any(p.p.poll() is not None for p in self.procs):
-                break
-            time.sleep(0.3)
-        self.stop()
-        raise AssertionError("the pipeline did not start:\n" + self.logs())
-
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.log.name}\n{p.text()}" for p in self.procs)
-
-    def stop(self):
-        for p in self.procs:
-            if p.p.poll() is None:
-                p.p.kill()
-            p.p.wait()
 
 
 def _cut(out: Path, at: str) -> Path:
@@ -114,12 +43,15 @@ def cuts(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def servers(cuts, tmp_path_factory):
-    made = {}
-    for n, cut in ((1, cuts[2]), (2, cuts[2]), (3, cuts[3])):
-        made[n] = Pipeline(cut, tmp_path_factory.mktemp(f"serve{n}"), stages=n)
-    yield made
-    for p in made.values():
-        p.stop()
+    procs = Procs()
+    try:  # the three start at once
+        made = {n: Pipeline(procs, cut, tmp_path_factory.mktemp(f"serve{n}"), stages=n)
+                for n, cut in ((1, cuts[2]), (2, cuts[2]), (3, cuts[3]))}
+        for p in made.values():
+            p.start_stages()
+        yield {n: p.ready() for n, p in made.items()}
+    finally:
+        procs.stop()
 
 
 def _prompts():
@@ -145,8 +77,9 @@ def _complete(url, prompts, *, concurrent: bool, model: str = "qwen3-tiny"):
 
 
 def _tokens(results):
-    assert all(status == 200 for status, _ in results), results
-    return [r["choices"][0]["token_ids"][0] for _, r in results]
+    """Each answer's token ids, all of them (one: the API is prefill only)."""
+    assert all(status == 200 and len(r["choices"]) == 1 for status, r in results), results
+    return [r["choices"][0]["token_ids"] for _, r in results]
 
 
 def _metric(url, name) -> float:
@@ -167,6 +100,20 @@ def test_pipelines_give_the_single_process_servers_tokens(servers):
         assert _tokens(_complete(servers[n].http, prompts, concurrent=True)) == want, n
 
 
+def test_the_served_cuts_give_the_whole_programs_logits_bitwise(cuts, tmp_path):
+    """The API answers with tokens only; the logits behind them: `kernjax chain` on the cuts the
+    pipelines serve compares the last stage's logits and token with the whole program's, byte for
+    byte, after every chunk of the prompts the tests above send."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in _prompts()))
+    for n in (2, 3):
+        p = subprocess.run([sys.executable, "-m", "kernjax", "chain", "--stages", str(cuts[n]),
+                            "--prompts", str(prompts)], capture_output=True, text=True, timeout=300)
+        assert p.returncode == 0, (n, p.stdout, p.stderr)
+        assert f"PASS: {len(LENGTHS)} prompts bitwise identical" in p.stdout, (n, p.stdout)
+        assert p.stdout.count(": IDENTICAL") == len(LENGTHS), (n, p.stdout)
+
+
 def test_packed_and_unpacked_give_the_same_first_tokens(servers):
     url = servers[2].http
     short = [p[:20] for p in _prompts()[2:]] + [p[:9] for p in _prompts()[4:]]
@@ -184,6 +131,8 @@ def test_100_concurrent_requests_all_answered_and_pages_return(servers):
     res = _complete(servers[2].http, prompts, concurrent=True)
     assert [s for s, _ in res] == [200] * 100
     assert all(r["usage"]["prompt_tokens"] == len(p) for (_, r), p in zip(res, prompts))
+    # each the single-process server's token: 100 answers compared, not one
+    assert _tokens(res) == _tokens(_complete(servers[1].http, prompts, concurrent=True))
     assert _metric(servers[2].http, "kernjax_pages_in_use") == 0
 
 
@@ -219,75 +168,64 @@ def test_models_and_health(servers):
     assert status == 200 and h["stages"] == 3
 
 
-def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_path):
+def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_path, procs):
     """Stages that move activations in their programs (`--transport shm`, kernjax/runtime/edge.py), one
     slot per edge in the 3-stage pipeline: the single-process server's tokens, one request at a
     time and 16 at once; the transport is in /metrics and in every stage's startup line."""
     prompts = _prompts()
     want = _tokens(_complete(servers[1].http, prompts, concurrent=False))
-    for n, slots in ((2, "2"), (3, "1")):
+    pipes = {}
+    for n, slots in ((2, "2"), (3, "1")):  # both start at once
         (tmp_path / f"shm{n}").mkdir()
-        pipe = Pipeline(cuts[n], tmp_path / f"shm{n}", stages=n,
-                        extra=("--transport", "shm", "--edge_slots", slots))
-        try:
-            assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
-            assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
-                (want * 3)[:16], pipe.logs()
-            assert _metric(pipe.http, 'kernjax_transport{kind="shm"}') == 1
-            for st in range(n):  # each stage's weights and states, from its Hello, and what
-                # its program holds at once, its arguments among them
-                got = {k: _metric(pipe.http, f'kernjax_stage_memory_bytes{{kind="{k}",stage="{st}"}}')
-                       for k in ("weights", "states", "program")}
-                assert got["weights"] > 0 and got["program"] > got["weights"] + got["states"], got
-            assert "weights " in pipe.procs[1].text() and "B + states" in pipe.procs[1].text()
-            assert "the program holds " in pipe.procs[1].text()
-            assert _metric(pipe.http, "kernjax_pages_in_use") == 0
-            for p in pipe.procs[1:]:
-                assert f"transport shm ({slots} slots per edge)" in p.text()
-            assert "transport shm" in pipe.procs[0].text()
-        finally:
-            pipe.stop()
+        pipes[n, slots] = Pipeline(procs, cuts[n], tmp_path / f"shm{n}", stages=n,
+                                   extra=("--transport", "shm", "--edge_slots", slots))
+    for pipe in pipes.values():
+        pipe.start_stages()
+    for (n, slots), pipe in pipes.items():
+        pipe.ready()
+        assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
+        assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
+            (want * 3)[:16], pipe.logs()
+        assert _metric(pipe.http, 'kernjax_transport{kind="shm"}') == 1
+        for st in range(n):  # each stage's weights and states, from its Hello, and what
+            # its program holds at once, its arguments among them
+            got = {k: _metric(pipe.http, f'kernjax_stage_memory_bytes{{kind="{k}",stage="{st}"}}')
+                   for k in ("weights", "states", "program")}
+            assert got["weights"] > 0 and got["program"] > got["weights"] + got["states"], got
+        assert "weights " in pipe.procs[1].text() and "B + states" in pipe.procs[1].text()
+        assert "the program holds " in pipe.procs[1].text()
+        assert _metric(pipe.http, "kernjax_pages_in_use") == 0
+        for p in pipe.procs[1:]:
+            assert f"transport shm ({slots} slots per edge)" in p.text()
+        assert "transport shm" in pipe.procs[0].text()
 
 
-def test_stages_with_different_transports_are_refused(cuts, tmp_path):
-    port, pp = _port(), _port()
-    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--transport", "shm",
-                 "--startup_timeout", "20")
-    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log")
-    try:
-        stage.wait_for("uses the shm transport", 60)
-        head.wait_for("uses the host transport", 5)
-        assert "stage 1 uses the host transport; the head uses shm: start every stage with the " \
-            "same --transport" in head.text() + stage.text(), head.text() + stage.text()
-    finally:
-        for p in (head, stage):
-            p.p.kill()
-            p.p.wait()
+def test_stages_with_different_transports_are_refused(cuts, tmp_path, procs):
+    head = procs.head(cuts[2] / "stage0", tmp_path / "h.log", "--transport", "shm")
+    stage = procs.joiner(cuts[2] / "stage1", head.pp, tmp_path / "s.log")
+    stage.wait_for("uses the shm transport", 60)
+    head.wait_for("uses the host transport", 5)
+    assert "stage 1 uses the host transport; the head uses shm: start every stage with the " \
+        "same --transport" in head.text() + stage.text(), head.text() + stage.text()
 
 
-def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path):
+def test_a_stage_with_other_weights_of_the_same_shapes_is_refused(cuts, tmp_path, procs):
     """Another seed of the same model: every shape agrees, every byte differs; a pipeline of the
     two would answer with neither model's tokens, so the head refuses the stage, naming both."""
     other = tmp_path / "other"
     p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model", "qwen3-tiny",
                         "--seed", "1", "--out", str(other)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
-    port, pp = _port(), _port()
-    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--startup_timeout", "20")
-    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights", str(other))
-    try:
-        head.wait_for("their tensors differ", 60)
-        stage.wait_for("start every stage with --weights ", 30)  # the refusal reaches the stage
-        text = head.text() + stage.text()
-        assert f"stage 1 runs the weights of `{other}`" in text, text
-        assert "start every stage with --weights " in stage.text(), text
-    finally:
-        for p in (head, stage):
-            p.p.kill()
-            p.p.wait()
+    head = procs.head(cuts[2] / "stage0", tmp_path / "h.log")
+    stage = procs.joiner(cuts[2] / "stage1", head.pp, tmp_path / "s.log", "--weights", str(other))
+    head.wait_for("their tensors differ", 60)
+    stage.wait_for("start every stage with --weights ", 30)  # the refusal reaches the stage
+    text = head.text() + stage.text()
+    assert f"stage 1 runs the weights of `{other}`" in text, text
+    assert "start every stage with --weights " in stage.text(), text
 
 
-def test_a_checkpoint_changed_after_the_head_loaded_it_is_refused(cuts, tmp_path):
+def test_a_checkpoint_changed_after_the_head_loaded_it_is_refused(cuts, tmp_path, procs):
     """Head and stage name one directory, but its tensors changed in between: restart them all."""
     def random(seed, out):
         p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model",
@@ -296,25 +234,19 @@ def test_a_checkpoint_changed_after_the_head_loaded_it_is_refused(cuts, tmp_path
         assert p.returncode == 0, p.stderr
     random(0, tmp_path / "mine")
     random(1, tmp_path / "seed1")
-    port, pp = _port(), _port()
-    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "h.log", "--startup_timeout", "20",
-                 "--weights", str(tmp_path / "mine"))
-    try:
-        head.wait_for("waiting for stage", 60)
-        (tmp_path / "seed1" / "model.safetensors").replace(tmp_path / "mine" / "model.safetensors")
-        stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights",
-                        str(tmp_path / "mine"))
-        stage.wait_for("changed since the head loaded it", 60)
-        assert "restart the head and every stage" in stage.text(), stage.text()
-    finally:
-        for p in [head] + ([stage] if "stage" in locals() else []):
-            p.p.kill()
-            p.p.wait()
+    head = procs.head(cuts[2] / "stage0", tmp_path / "h.log", "--weights", str(tmp_path / "mine"))
+    pp = head.pp  # named once the head waits for its stage: it has loaded the checkpoint
+    (tmp_path / "seed1" / "model.safetensors").replace(tmp_path / "mine" / "model.safetensors")
+    stage = procs.joiner(cuts[2] / "stage1", pp, tmp_path / "s.log", "--weights",
+                         str(tmp_path / "mine"))
+    stage.wait_for("changed since the head loaded it", 60)
+    assert "restart the head and every stage" in stage.text(), stage.text()
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu", reason="the GPU transports need GPUs")
 @pytest.mark.parametrize("kind", ["shm", "ipc", "nccl"])
-def test_gpu_transports_give_the_single_process_servers_tokens(cuts, servers, tmp_path, kind):
+def test_gpu_transports_give_the_single_process_servers_tokens(cuts, servers, tmp_path, kind,
+                                                              procs):
     """Each stage on its own GPU where there are two (NCCL wants them): the edge ops' CUDA
     handlers move the activations, and the answers are the single-process server's."""
     gpus = jax.device_count()
@@ -322,23 +254,23 @@ def test_gpu_transports_give_the_single_process_servers_tokens(cuts, servers, tm
         pytest.skip("NCCL puts its two ranks on two GPUs")
     prompts = _prompts()
     want = _tokens(_complete(servers[1].http, prompts, concurrent=False))
-    pipe = Pipeline(cuts[2], tmp_path, stages=2, extra=("--transport", kind), gpus=gpus)
-    try:
-        assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
-        assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
-            (want * 3)[:16], pipe.logs()
-        assert _metric(pipe.http, f'kernjax_transport{{kind="{kind}"}}') == 1
-    finally:
-        pipe.stop()
+    pipe = Pipeline(procs, cuts[2], tmp_path, stages=2, extra=("--transport", kind),
+                    gpus=gpus).ready()
+    assert _tokens(_complete(pipe.http, prompts, concurrent=False)) == want, pipe.logs()
+    assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
+        (want * 3)[:16], pipe.logs()
+    assert _metric(pipe.http, f'kernjax_transport{{kind="{kind}"}}') == 1
 
 
 @pytest.mark.parametrize("kind", ["ipc", "nccl"])
-def test_gpu_transports_on_the_cpu_are_refused_with_what_to_use(cuts, tmp_path, kind):
+def test_gpu_transports_on_the_cpu_are_refused_with_what_to_use(cuts, tmp_path, kind, procs):
     if jax.default_backend() == "gpu":
         pytest.skip(f"a GPU process may use --transport {kind}")
-    p = Proc(["--stage_dir", str(cuts[2] / "stage1"), "--pp_head", "127.0.0.1:9",
-              "--transport", kind], tmp_path / f"{kind}.log")
-    assert p.p.wait(60) == 2, p.text()
+    with refusing_port() as nobody:  # refused before it would reach for a head
+        p = procs.serve("--stage_dir", str(cuts[2] / "stage1"), "--pp_head",
+                        f"127.0.0.1:{nobody.getsockname()[1]}", "--transport", kind,
+                        log=tmp_path / f"{kind}.log")
+        assert p.wait(60) == 2, p.text()
     assert f"--transport {kind} moves activations between GPUs; this process runs on cpu: use " \
         "--transport shm (one host) or host" in p.text()
 
@@ -348,47 +280,36 @@ async def _many(url, bodies):
         return await asyncio.gather(*(_post(s, url, b) for b in bodies))
 
 
-def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path):
-    pipe = Pipeline(cuts[3], tmp_path, stages=3, extra=("--transport", "shm"))
-    try:
-        os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
-        (status, r), = asyncio.run(_one(pipe.http, {"prompt": [5, 6, 7]}))
-        assert status == 503 and "stage 1" in r["error"]["message"], r
-        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
-        assert _wait(pipe.procs[2], 15) not in (None, 0), pipe.logs()
-        time.sleep(1)  # the resource trackers (child processes) end after their process
-        assert "resource_tracker" not in pipe.logs(), pipe.logs()  # no "leak" it mended itself
-    finally:
-        pipe.stop()
+def test_a_killed_stage_ends_an_shm_pipeline_with_503s(cuts, tmp_path, procs):
+    pipe = Pipeline(procs, cuts[3], tmp_path, stages=3, extra=("--transport", "shm")).ready()
+    os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
+    (status, r), = asyncio.run(_one(pipe.http, {"prompt": [5, 6, 7]}))
+    assert status == 503 and "stage 1" in r["error"]["message"], r
+    assert pipe.procs[0].wait(30) not in (None, 0), pipe.logs()
+    assert pipe.procs[2].wait(30) not in (None, 0), pipe.logs()
+    # the resource trackers (child processes, writing to their process's log) end after it
+    assert until(lambda: not any(writers(p.log) for p in pipe.procs), 30), pipe.logs()
+    assert "resource_tracker" not in pipe.logs(), pipe.logs()  # no "leak" it mended itself
 
 
-def _wait(proc: Proc, seconds: float) -> int | None:
-    try:
-        return proc.p.wait(seconds)
-    except subprocess.TimeoutExpired:
-        return None
+def test_a_killed_stage_fails_in_flight_requests_with_503_and_every_process_exits(cuts, tmp_path,
+                                                                                  procs):
+    pipe = Pipeline(procs, cuts[3], tmp_path, stages=3).ready()
+    os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)   # hold requests in flight, then kill
 
-
-def test_a_killed_stage_fails_in_flight_requests_with_503_and_every_process_exits(cuts, tmp_path):
-    pipe = Pipeline(cuts[3], tmp_path, stages=3)
-    try:
-        os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)   # hold requests in flight, then kill
-        async def go():
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
-                tasks = [asyncio.create_task(_post(s, pipe.http, {"prompt": [1, 2, 3, i]}))
-                         for i in range(5)]
-                await asyncio.sleep(1.0)
-                os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
-                return await asyncio.gather(*tasks)
-        t0 = time.time()
-        res = asyncio.run(go())
-        assert time.time() - t0 < 20
-        assert all(s == 503 and "stage 1" in r["error"]["message"] for s, r in res), res
-        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
-        assert _wait(pipe.procs[2], 15) not in (None, 0), pipe.logs()
-        assert "error: head: stage 1" in pipe.procs[0].text()
-    finally:
-        pipe.stop()
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            tasks = [asyncio.create_task(_post(s, pipe.http, {"prompt": [1, 2, 3, i]}))
+                     for i in range(5)]
+            await asyncio.sleep(1.0)
+            os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+    # answered (within the client's 60 s, far from a hang), each with a 503 naming the stage
+    res = asyncio.run(go())
+    assert all(s == 503 and "stage 1" in r["error"]["message"] for s, r in res), res
+    assert pipe.procs[0].wait(30) not in (None, 0), pipe.logs()
+    assert pipe.procs[2].wait(30) not in (None, 0), pipe.logs()
+    assert "error: head: stage 1" in pipe.procs[0].text()
 
 
 @pytest.mark.parametrize("extra, requests, says", [
@@ -398,19 +319,15 @@ def test_a_killed_stage_fails_in_flight_requests_with_503_and_every_process_exit
     (("--transport", "shm", "--edge_slots", "1"), 4, r"stage 1 stopped (answering|taking items)"),
 ], ids=["host", "shm"])
 def test_a_frozen_stage_is_detected_within_the_stage_timeout(cuts, tmp_path, extra, requests,
-                                                             says):
-    pipe = Pipeline(cuts[2], tmp_path, stages=2, timeout=3, extra=extra)
-    try:
-        os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)
-        t0 = time.time()
-        res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(requests)]))
-        assert all(status == 503 and re.search(says, r["error"]["message"])
-                   for status, r in res), res
-        assert time.time() - t0 < 10
-        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
-    finally:
-        os.kill(pipe.procs[1].p.pid, signal.SIGCONT)
-        pipe.stop()
+                                                             says, procs):
+    """--stage_timeout 3: the requests' 503s say the stage stopped answering, which only the
+    timeout tells (the client would give up after 60 s)."""
+    pipe = Pipeline(procs, cuts[2], tmp_path, stages=2, timeout=3, extra=extra).ready()
+    os.kill(pipe.procs[1].p.pid, signal.SIGSTOP)  # killed (SIGKILL) frozen when reaped
+    res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(requests)]))
+    assert all(status == 503 and re.search(says, r["error"]["message"])
+               for status, r in res), res
+    assert pipe.procs[0].wait(30) not in (None, 0), pipe.logs()
 
 
 @pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
@@ -418,25 +335,19 @@ def test_a_frozen_stage_is_detected_within_the_stage_timeout(cuts, tmp_path, ext
 @pytest.mark.parametrize("kind", ["ipc", "nccl"])
 @pytest.mark.parametrize("fault", ["killed", "frozen"])
 def test_a_killed_or_frozen_stage_on_its_own_gpu_ends_the_pipeline_with_503s(cuts, tmp_path, kind,
-                                                                            fault):
+                                                                            fault, procs):
     """As on the CPU: the head's programs may be held on its GPU by the device transport, and
     still every request gets a 503 naming the stage, and the head exits."""
-    pipe = Pipeline(cuts[2], tmp_path, stages=2, timeout=3, extra=("--transport", kind), gpus=2)
+    pipe = Pipeline(procs, cuts[2], tmp_path, stages=2, timeout=3, extra=("--transport", kind),
+                    gpus=2).ready()
     stage = pipe.procs[1].p.pid
-    try:
-        os.kill(stage, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
-        t0 = time.time()
-        res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(4)]))
-        assert all(status == 503 and "stage 1" in r["error"]["message"] for status, r in res), res
-        assert time.time() - t0 < 15
-        assert _wait(pipe.procs[0], 15) not in (None, 0), pipe.logs()
-        if fault == "frozen":  # thawed, it finds the head gone and exits too
-            os.kill(stage, signal.SIGCONT)
-            assert _wait(pipe.procs[1], 15) not in (None, 0), pipe.logs()
-    finally:
-        if pipe.procs[1].p.poll() is None:
-            os.kill(stage, signal.SIGCONT)
-        pipe.stop()
+    os.kill(stage, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+    res = asyncio.run(_many(pipe.http, [{"prompt": [5, 6, 7, i]} for i in range(4)]))
+    assert all(status == 503 and "stage 1" in r["error"]["message"] for status, r in res), res
+    assert pipe.procs[0].wait(30) not in (None, 0), pipe.logs()
+    if fault == "frozen":  # thawed, it finds the head gone and exits too
+        os.kill(stage, signal.SIGCONT)
+        assert pipe.procs[1].wait(30) not in (None, 0), pipe.logs()
 
 
 async def _one(url, body):
@@ -444,110 +355,85 @@ async def _one(url, body):
         return [await _post(s, url, body)]
 
 
-def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path):
+def test_bad_frames_and_foreign_stages_are_refused(cuts, tmp_path, procs):
     other = _cut(tmp_path / "other", "2")  # another cut: another id
-    port, pp = _port(), _port()
-    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "head.log")
-    try:
-        head.wait_for("waiting for stage")
-        with socket.create_connection(("127.0.0.1", pp)) as s:
-            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
-            time.sleep(0.5)
-        foreign = _joiner(other / "stage1", pp, tmp_path / "foreign.log")
-        assert _wait(foreign, 60) == 1
-        assert "belongs to cut" in foreign.text(), foreign.text()
-        real = _joiner(cuts[2] / "stage1", pp, tmp_path / "real.log")
-        try:
-            head.wait_for("serving")
-            log = head.text()
-            assert "not a kernjax frame" in log and "belongs to cut" in log, log
-            (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
-            assert status == 200
-        finally:
-            real.p.kill()
-    finally:
-        head.p.kill()
+    head = procs.head(cuts[2] / "stage0", tmp_path / "head.log")
+    pp = head.pp
+    with socket.create_connection(("127.0.0.1", pp)) as s:
+        s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+        assert head.wait_for("not a kernjax frame", 30), head.text()
+    foreign = procs.joiner(other / "stage1", pp, tmp_path / "foreign.log")
+    assert foreign.wait(60) == 1
+    assert "belongs to cut" in foreign.text(), foreign.text()
+    procs.joiner(cuts[2] / "stage1", pp, tmp_path / "real.log")
+    assert head.wait_for("serving"), head.text()
+    assert "belongs to cut" in head.text(), head.text()
+    (status, _), = asyncio.run(_one(head.url, {"prompt": [1, 2]}))
+    assert status == 200
 
 
-def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path):
+def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path, procs):
     ckpt = tmp_path / "ckpt"
     p = subprocess.run([sys.executable, "-m", "kernjax", "weights", "random", "--model", "qwen3-tiny",
                         "--out", str(ckpt)], capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     add_tokenizer(ckpt, CFG.vocab)
-    port = _port()
-    proc = Proc(["--weights", str(ckpt), "--port", str(port), "--chunk", "32", "--context", "64"],
-                tmp_path / "serve.log")
-    try:
-        url = f"http://127.0.0.1:{port}"
-        proc.wait_for("serving", 120)
-        (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7"}))
-        (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7]}))
-        assert s1 == s2 == 200, (text, ids, proc.text())
-        token = ids["choices"][0]["token_ids"][0]
-        assert text["choices"][0]["token_ids"] == [token]
-        assert text["choices"][0]["text"] == f"w{token}" and text["usage"]["prompt_tokens"] == 3
-    finally:
-        proc.p.kill()
+    proc = procs.serve("--weights", str(ckpt), "--port", "0", "--chunk", "32", "--context", "64",
+                       log=tmp_path / "serve.log")
+    assert proc.wait_for("serving", 120), proc.text()
+    url = proc.url
+    (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7"}))
+    (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7]}))
+    assert s1 == s2 == 200, (text, ids, proc.text())
+    token = ids["choices"][0]["token_ids"][0]
+    assert text["choices"][0]["token_ids"] == [token]
+    assert text["choices"][0]["text"] == f"w{token}" and text["usage"]["prompt_tokens"] == 3
 
 
-def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_path):
-    pp, port = _port(), _port()
+def test_a_duplicate_stage_is_refused_and_a_missing_one_ends_the_head(cuts, tmp_path, procs):
     # 20 s: the duplicate, a second python process, must reach the head before it gives up,
     # and with 4 test workers on 2 cores it took more than the 8 s it once had (2026-12-03)
-    head = _head(cuts[3] / "stage0", pp, port, tmp_path / "head.log", "--startup_timeout", "20")
-    first = _joiner(cuts[3] / "stage1", pp, tmp_path / "first.log")
-    try:
-        head.wait_for("stage 1 joined")
-        again = _joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
-        assert _wait(again, 60) == 1
-        assert "stage 1 has joined already" in again.text(), again.text()
-        assert _wait(head, 30) == 2, head.text()
-        assert "stages [2] did not join within 20 s" in head.text(), head.text()
-        assert _wait(first, 30) not in (None, 0)
-        assert "the head gives up: stages [2] did not join" in first.text(), first.text()
-    finally:
-        head.p.kill()
-        first.p.kill()
+    head = procs.head(cuts[3] / "stage0", tmp_path / "head.log", "--startup_timeout", "20")
+    pp = head.pp
+    # two stage 1s at once, started when the head waits: the first to say Hello joins
+    twins = [procs.joiner(cuts[3] / "stage1", pp, tmp_path / f"stage1-{k}.log") for k in "ab"]
+    assert until(lambda: any(p.p.poll() is not None for p in twins), 60), head.text()
+    again, first = twins if twins[0].p.poll() is not None else twins[::-1]
+    assert again.wait(0) == 1, again.text()
+    assert "stage 1 has joined already" in again.text(), again.text()
+    assert head.text().count("stage 1 joined from") == 1, head.text()
+    assert head.wait(60) == 2, head.text()
+    assert "stages [2] did not join within 20 s" in head.text(), head.text()
+    assert first.wait(30) not in (None, 0)
+    assert "the head gives up: stages [2] did not join" in first.text(), first.text()
 
 
-def test_a_stage_that_leaves_before_the_pipeline_starts_can_join_again(cuts, tmp_path):
+def test_a_stage_that_leaves_before_the_pipeline_starts_can_join_again(cuts, tmp_path, procs):
     """Stage 1 says Hello and dies while the head waits for stage 2: its restart joins in its
     place, and once stage 2 is in, the pipeline serves."""
-    pp, port = _port(), _port()
-    head = _head(cuts[3] / "stage0", pp, port, tmp_path / "head.log")
-    first = _joiner(cuts[3] / "stage1", pp, tmp_path / "first.log")
-    again = last = None
-    try:
-        head.wait_for("stage 1 joined")
-        first.p.kill()
-        first.p.wait(30)
-        again = _joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
-        head.wait_for("stage 1 joined from", 60, times=2)  # the restart
-        last = _joiner(cuts[3] / "stage2", pp, tmp_path / "last.log")
-        head.wait_for("serving", 120)
-        (status, _), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2]}))
-        assert status == 200, head.text()
-        assert head.text().count("stage 1 joined from") == 2, head.text()
-    finally:
-        for proc in (head, first, again, last):
-            if proc is not None:
-                proc.p.kill()
+    head = procs.head(cuts[3] / "stage0", tmp_path / "head.log")
+    pp = head.pp
+    first = procs.joiner(cuts[3] / "stage1", pp, tmp_path / "first.log")
+    assert head.wait_for("stage 1 joined"), head.text()
+    first.stop()
+    procs.joiner(cuts[3] / "stage1", pp, tmp_path / "again.log")
+    assert head.wait_for("stage 1 joined from", 60, times=2), head.text()  # the restart
+    procs.joiner(cuts[3] / "stage2", pp, tmp_path / "last.log")
+    assert head.wait_for("serving", 120), head.text()
+    (status, _), = asyncio.run(_one(head.url, {"prompt": [1, 2]}))
+    assert status == 200, head.text()
+    assert head.text().count("stage 1 joined from") == 2, head.text()
 
 
-def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path):
-    pp, port = _port(), _port()
-    head = _head(cuts[2] / "stage0", pp, port, tmp_path / "head.log")
-    stage = _joiner(cuts[2] / "stage1", pp, tmp_path / "stage1.log", "--max_frame", "4096")
-    try:
-        head.wait_for("serving")
-        (status, r), = asyncio.run(_one(f"http://127.0.0.1:{port}", {"prompt": [1, 2, 3]}))
-        assert status == 503 and "stage 1" in r["error"]["message"], r
-        assert _wait(stage, 15) == 1
-        assert "over the limit of 4096 bytes (--max_frame)" in stage.text(), stage.text()
-    finally:
-        head.p.kill()
-        stage.p.kill()
+def test_an_oversized_frame_is_refused_with_the_limit(cuts, tmp_path, procs):
+    head = procs.head(cuts[2] / "stage0", tmp_path / "head.log")
+    stage = procs.joiner(cuts[2] / "stage1", head.pp, tmp_path / "stage1.log", "--max_frame",
+                         "4096")
+    assert head.wait_for("serving"), head.text() + stage.text()
+    (status, r), = asyncio.run(_one(head.url, {"prompt": [1, 2, 3]}))
+    assert status == 503 and "stage 1" in r["error"]["message"], r
+    assert stage.wait(30) == 1
+    assert "over the limit of 4096 bytes (--max_frame)" in stage.text(), stage.text()
 
 
 @pytest.mark.parametrize("user", ["", "--xla_gpu_command_buffer_update_mode=ALWAYS_UPDATE"])

@@ -129,8 +129,9 @@ def _check_flags() -> None:
     f = FLAGS
     if f.max_seqs < 1:
         raise ValueError(f"--max_seqs {f.max_seqs}: the head must admit at least 1 prompt at once")
-    if not 0 < f.port < 65536:
-        raise ValueError(f"--port {f.port} is not a TCP port; give one in 1..65535")
+    if not 0 <= f.port < 65536:
+        raise ValueError(f"--port {f.port} is not a TCP port; give one in 1..65535 (0: any free "
+                         "one)")
     if not (math.isfinite(f.stage_timeout) and f.stage_timeout >= 4 * PING_MIN):
         raise ValueError(f"--stage_timeout {f.stage_timeout:g}: give at least {4 * PING_MIN:g} s: "
                          "the head pings every stage every quarter of the timeout, but not more "
@@ -150,7 +151,7 @@ def _check_flags() -> None:
     for name in ("pp_listen", "pp_head"):
         if f[name].value:
             try:
-                parse_address(f[name].value)
+                parse_address(f[name].value, any_port=name == "pp_listen")
             except ValueError as e:
                 raise ValueError(f"--{name}: {e}") from None
     if f.pp_listen and f.pp_head:
@@ -189,10 +190,11 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
 --pp_listen; every later stage joins it with --pp_head, the head's --pp_listen address."""
     sources.source_flags()
     flags.DEFINE_string("stage_dir", None, "a stage directory made by `kernjax cut` (or whole/)")
-    flags.DEFINE_string("pp_listen", None, "head: where the other stages join (HOST:PORT)")
+    flags.DEFINE_string("pp_listen", None, "head: where the other stages join (HOST:PORT; port 0: "
+                        "any free one, which the log names)")
     flags.DEFINE_string("pp_head", None, "a stage past 0: the head's --pp_listen address")
     flags.DEFINE_string("host", "127.0.0.1", "HTTP and stage-link address to bind")
-    flags.DEFINE_integer("port", 8000, "HTTP port (head)")
+    flags.DEFINE_integer("port", 8000, "HTTP port (head); 0: any free one, which the log names")
     flags.DEFINE_integer("max_seqs", 256, "prompts admitted at once (head)")
     flags.DEFINE_float("stage_timeout", 60.0, "seconds a stage may stay silent before the head "
                        "gives up on it (the head pings every quarter of it; at least 1)")
@@ -276,7 +278,7 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
                        tokenizer=weights.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
                        api_key=FLAGS.api_key, max_connections=FLAGS.max_connections,
                        body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts)
-        url = f"http://{FLAGS.host}:{FLAGS.port}"
+        url = f"http://{FLAGS.host}:{http.getsockname()[1]}"  # the port --port 0 got
         from kernjax.serve.stage_host import memory_line
         print(f"head: {memory_line(runner.memory())}", file=sys.stderr)
         _start_http(app, http)

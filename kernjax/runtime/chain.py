@@ -40,7 +40,8 @@ def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *,
         split.reset()
         diff = chunks = 0
         first = None
-        for w, s in zip(whole.prefill(prompt, chunk=chunk), split.prefill(prompt, chunk=chunk)):
+        for w, s in zip(whole.prefill(prompt, chunk=chunk), split.prefill(prompt, chunk=chunk),
+                        strict=True):  # a pipeline that stops early is an error, not a pass
             chunks += 1
             d = sum(differing_bytes(w[k], s[k]) for k in ("logits", "next_token"))
             if d and first is None:

@@ -120,12 +120,13 @@ class Head:
         if self.stages > 1:
             if not listen:
                 raise ValueError(f"`{self.art.path}` is stage 0 of {self.stages}; give --pp_listen")
-            host, port = parse_address(listen)
+            host, port = parse_address(listen, any_port=True)
             try:
                 self._server = socket.create_server((host, port))
             except OSError as e:
                 raise OSError(f"cannot listen for the stages on {listen} (--pp_listen): "
                               f"{os.strerror(e.errno) if e.errno else e}") from None
+            self.listen = f"{host}:{self._server.getsockname()[1]}"  # port 0: the one it got
             # Until every stage is in, `failed` holds why requests get a 503 (see `join`).
             self.failed = self.joining = self._missing(range(1, self.stages))
 

@@ -196,13 +196,15 @@ class Conn:
         self.sock.close()
 
 
-def parse_address(text: str) -> tuple[str, int]:
-    """`host:port` as a tuple; a clear error otherwise."""
+def parse_address(text: str, *, any_port: bool = False) -> tuple[str, int]:
+    """`host:port` as a tuple; a clear error otherwise. `any_port`: port 0 (a listener's: any
+    free port) is allowed."""
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"`{text}` is not an address; write HOST:PORT, e.g. 127.0.0.1:7000")
-    if not 0 < int(port) < 65536:
-        raise ValueError(f"`{text}`: port {port} is not in 1..65535; write HOST:PORT, e.g. "
+    lowest = 0 if any_port else 1
+    if not lowest <= int(port) < 65536:
+        raise ValueError(f"`{text}`: port {port} is not in {lowest}..65535; write HOST:PORT, e.g. "
                          "127.0.0.1:7000")
     return host, int(port)
 
