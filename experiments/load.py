@@ -120,7 +120,7 @@ class Server:
 
 
 async def _one(session, url, model, prompt):
-    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
     t = time.perf_counter()
     try:
         async with session.post(url + "/v1/completions", json=body) as r:

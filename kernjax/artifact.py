@@ -1,9 +1,13 @@
-"""Stage artifacts: one directory per stage, `manifest.json` plus the stage's exported program.
+"""Stage artifacts: one directory per stage, `manifest.json` plus the stage's exported programs.
 
-`write` serializes a `Stage` with `jax.export` (StableHLO; FFI targets are registered by the
-runtime before loading) and a manifest holding everything `kernjax cut` prints, each kept
-weight's checkpoint name, dtype and shape, the cut `{id, stage, stages}` and the checkpoint bound
-(`{dir, id}` with `weights.fingerprint`, or `{model, seed, dtype}`); `whole/` is the uncut program.
+A stage runs several programs of one cut (`kernjax.core.cut.cut_all`): the prefill chunk
+(`prefill`, the default), the same chunk scoring every row (`score`) and decode buckets
+(`decode<B>`: B sequences of one row each). `write` serializes each with `jax.export` (StableHLO;
+FFI targets are registered by the runtime before loading), once per distinct program (a stage
+before the last runs the same program for `prefill` and `score`: one file), and writes a manifest
+holding everything `kernjax cut` prints, per program its item shape, calls, slots and file, the
+cut `{id, stage, stages}` and the checkpoint bound (`{dir, id}` with `weights.fingerprint`, or
+`{model, seed, dtype}`); `whole/` is the uncut programs.
 
 `read` verifies the artifact before anything runs: the format, the jax version that exported it
 and the program's hash. The runtime then checks the weights against the manifest, and stages
@@ -33,8 +37,9 @@ from kernjax.core.item import Shape
 from kernjax.core.trace import Slot
 from kernjax.kernels.lower import as_function
 
-FORMAT = 2  # 2: the lowering table in the manifest and the cut id
-PROGRAM = "program.jaxexport"
+FORMAT = 3  # 3: several programs per stage; 2: the lowering table in the manifest and the cut id
+PROGRAM = "program.jaxexport"  # the default program's file; another's is program-<name>.jaxexport
+DEFAULT = "prefill"  # the program every stage has: the prefill chunk
 # Custom calls jax.export refuses by default because their encoding may change between releases:
 # Pallas' Triton and Mosaic GPU kernels, and the extension's own ops (kj_kda, which k3's KDA calls
 # lower to on CUDA; kj_fa3, bf16 attention on CUDA; a dense layer's small calls, csrc/dense.cu;
@@ -58,18 +63,72 @@ class ArtifactError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Artifact:
-    """A verified stage directory: its manifest, slots and deserialized program."""
+class Program:
+    """One program of a stage artifact: its item shape, what it binds, receives, sends and
+    returns, and its deserialized export (`edged`: with edge ops, the default program only)."""
 
-    path: Path
-    manifest: dict
+    name: str
+    item: Shape
     inputs: tuple[Slot, ...]
     arrivals: tuple[Slot, ...]
     departures: tuple[Slot, ...]
     outputs: tuple[Slot, ...]
     exported: export.Exported
+    file: str
     edged: export.Exported | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.item.rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Artifact:
+    """A verified stage directory: its manifest and its programs, deserialized. The plain
+    attributes (`inputs`, `item`, `exported` ...) are those of the default program."""
+
+    path: Path
+    manifest: dict
+    programs: dict[str, Program]
     recipes: tuple = ()  # the derive program (`kernjax.core.staging.Recipe`s), read at `read`
+
+    @property
+    def default(self) -> Program:
+        return self.programs[DEFAULT] if DEFAULT in self.programs else next(iter(self.programs.values()))
+
+    @property
+    def inputs(self) -> tuple[Slot, ...]:
+        return self.default.inputs
+
+    @property
+    def arrivals(self) -> tuple[Slot, ...]:
+        return self.default.arrivals
+
+    @property
+    def departures(self) -> tuple[Slot, ...]:
+        return self.default.departures
+
+    @property
+    def outputs(self) -> tuple[Slot, ...]:
+        return self.default.outputs
+
+    @property
+    def exported(self) -> export.Exported:
+        return self.default.exported
+
+    @property
+    def edged(self) -> export.Exported | None:
+        return self.default.edged
+
+    @property
+    def bound(self) -> tuple[Slot, ...]:
+        """The weights and states of all its programs, each once (the programs share them)."""
+        seen = {}
+        for p in self.programs.values():
+            for s_ in p.inputs:
+                if s_.role in ("weight", "state"):
+                    seen.setdefault(s_.name, s_)
+        return tuple(seen.values())
 
     @property
     def index(self) -> int:
@@ -94,12 +153,12 @@ class Artifact:
 
     @property
     def rows(self) -> int:
-        return self.manifest["rows"]
+        return self.default.rows
 
     @property
     def item(self) -> Shape:
-        """The shape of the items every stage of this cut takes."""
-        return Shape(**self.manifest["item"])
+        """The shape of the items every stage of this cut takes in its default program."""
+        return self.default.item
 
 
 def _slots(xs) -> list[dict]:
@@ -135,34 +194,48 @@ def _export(stage: Stage, platform: str, edged: bool) -> export.Exported:
     return export.export(jax.jit(fn), platforms=[platform], disabled_checks=UNSTABLE)(*specs)
 
 
-def manifest(stage: Stage, *, model: dict, checkpoint: dict, dtype: str, item: Shape,
-             program_sha256: str) -> dict:
-    """The stage's manifest: what it runs, binds, receives and sends, and which cut it belongs to."""
+def manifest(stages: dict[str, Stage], *, model: dict, checkpoint: dict, dtype: str) -> dict:
+    """The stage's manifest without its programs' files: what it runs, binds, receives and sends,
+    and which cut it belongs to."""
+    st = stages[DEFAULT] if DEFAULT in stages else next(iter(stages.values()))
     return {
         "format": FORMAT,
         "jax": jax.__version__,
-        "cut": {"id": stage.cut_id, "stage": stage.index, "stages": stage.stages,
-                "points": list(stage.points)},
-        "lowering": stage.lowering,
+        "cut": {"id": st.cut_id, "stage": st.index, "stages": st.stages,
+                "points": list(st.points)},
+        "lowering": st.lowering,
         "model": model,
         "checkpoint": checkpoint,
         "dtype": dtype,
-        "rows": stage.rows,
-        "item": dataclasses.asdict(item),
-        "calls": {"first": stage.first, "end": stage.end, "names": list(stage.calls)},
-        "inputs": _slots(stage.inputs),
-        "arrivals": _slots(stage.arrivals),
-        "departures": _slots(stage.departures),
-        "forwarded": list(stage.forwarded),
-        "outputs": _slots(stage.outputs),
-        "program": {"file": PROGRAM, "sha256": program_sha256, "platform": export.default_export_platform()},
+        "platform": export.default_export_platform(),
+        "programs": {},
     }
 
 
-def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
-    """Writes the stage's artifact directory; `meta` is `model`, `checkpoint`, `dtype`, `item`.
-    The directory is written beside `path` under a temporary name and renamed into place (a
-    directory already at `path` is replaced): a reader never sees half an artifact."""
+def _entry(st: Stage, item: Shape) -> dict:
+    return {"item": dataclasses.asdict(item),
+            "calls": {"first": st.first, "end": st.end, "names": list(st.calls)},
+            "inputs": _slots(st.inputs), "arrivals": _slots(st.arrivals),
+            "departures": _slots(st.departures), "forwarded": list(st.forwarded),
+            "outputs": _slots(st.outputs)}
+
+
+def _as_set(stage, item) -> tuple[dict[str, Stage], dict[str, Shape]]:
+    """A stage (one program) or a set of them, with their item shapes, as two dicts by name."""
+    stages = stage if isinstance(stage, dict) else {stage.program: stage}
+    items = item if isinstance(item, dict) else {n: item for n in stages}
+    missing = [n for n in stages if n not in items]
+    if missing:
+        raise ValueError(f"no item shape for program(s) {', '.join(missing)}")
+    return stages, items
+
+
+def write(path: str | os.PathLike, stage, **meta) -> Path:
+    """Writes a stage's artifact directory: `stage` is a Stage (one program) or a dict of the
+    stage's programs by name (`cut_all`); `meta` is `model`, `checkpoint`, `dtype` and `item` (a
+    Shape, or a dict by program). The directory is written beside `path` under a temporary name
+    and renamed into place (a directory already at `path` is replaced): a reader never sees half
+    an artifact."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=TEMP, dir=path.parent))
@@ -176,24 +249,38 @@ def write(path: str | os.PathLike, stage: Stage, **meta) -> Path:
     return path
 
 
-def _write(path: Path, stage: Stage, *, derive=None, **meta) -> Path:
+def _write(path: Path, stage, *, item, derive=None, **meta) -> Path:
     path.mkdir(parents=True)
+    stages, items = _as_set(stage, item)
     if derive is None:  # the family's derive program, its weights made in the stage's dtype
         derive = _family_derive(meta["model"], meta["dtype"])
-    blob = bytes(export_stage(stage).serialize())
-    (path / PROGRAM).write_bytes(blob)
-    m = manifest(stage, program_sha256=hashlib.sha256(blob).hexdigest(), **meta)
-    if stage.stages > 1:
-        try:
-            edged = bytes(export_stage(stage, edged=True).serialize())
-        except Exception as e:  # noqa: BLE001  (the plain program serves; say what is missing)
-            print(f"warning: stage {stage.index}: its program with edge ops could not be "
-                  f"exported ({type(e).__name__}: {str(e)[:200]}); the host transport serves "
-                  "it, the device transports will refuse it", file=sys.stderr)
-        else:
-            (path / EDGED).write_bytes(edged)
-            m["edged"] = {"file": EDGED, "sha256": hashlib.sha256(edged).hexdigest()}
-    m["derive"] = _write_derive(path, stage, derive)
+    m = manifest(stages, **meta)
+    made: dict[tuple, str] = {}  # a program's text and slots -> the file that holds it
+    for name, st in stages.items():
+        e = _entry(st, items[name])
+        key = (str(st.jaxpr), json.dumps({k: e[k] for k in ("inputs", "arrivals", "departures",
+                                                            "outputs")}))
+        if key not in made:
+            blob = bytes(export_stage(st).serialize())
+            made[key] = PROGRAM if not made else f"program-{name}.jaxexport"
+            (path / made[key]).write_bytes(blob)
+            m.setdefault("files", {})[made[key]] = hashlib.sha256(blob).hexdigest()
+        e["file"] = made[key]
+        if name == DEFAULT and st.stages > 1:
+            try:
+                edged = bytes(export_stage(st, edged=True).serialize())
+            except Exception as ex:  # noqa: BLE001  (the plain program serves; say what is missing)
+                print(f"warning: stage {st.index}: its program with edge ops could not be "
+                      f"exported ({type(ex).__name__}: {str(ex)[:200]}); the host transport "
+                      "serves it, the device transports will refuse it", file=sys.stderr)
+            else:
+                (path / EDGED).write_bytes(edged)
+                m["files"][EDGED] = hashlib.sha256(edged).hexdigest()
+                e["edged"] = EDGED
+        m["programs"][name] = e
+    first = next(iter(stages.values()))
+    m["derive"] = _write_derive(path, first, derive, [s for st in stages.values()
+                                                     for s in st.inputs])
     (path / "manifest.json").write_text(json.dumps(m, indent=1) + "\n")
     return path
 
@@ -205,11 +292,13 @@ def _family_derive(model: dict, dtype: str) -> list:
     return fam.derived(fam.Config(**{**model["config"], "dtype": dtype}))
 
 
-def _write_derive(path: Path, stage: Stage, recipes) -> dict:
+def _write_derive(path: Path, stage: Stage, recipes, inputs=None) -> dict:
     """Exports the recipes (`kernjax.core.staging.Recipe`) whose outputs the stage's weights
-    hold, one file per distinct function and source shapes, and returns the manifest's entry."""
+    (`inputs`: of all its programs) hold, one file per distinct function and source shapes, and
+    returns the manifest's entry."""
     from kernjax.weights import split_derived
-    want = [(s.name, s.shape, s.dtype) for s in stage.inputs if s.role == "weight"]
+    want = list({s.name: (s.name, s.shape, s.dtype) for s in (inputs or stage.inputs)
+                 if s.role == "weight"}.values())
     _, used = split_derived(list(recipes), want)
     files, index, entries = [], {}, []
     platform = export.default_export_platform()
@@ -289,11 +378,10 @@ def _read(path: Path, m: dict) -> Artifact:
     if m["jax"] != jax.__version__:
         raise ArtifactError(f"`{path}` was exported by jax {m['jax']}; this is jax "
                             f"{jax.__version__}: re-run `kernjax cut` with this jax")
-    if m["program"]["platform"] != export.default_export_platform():
-        raise ArtifactError(f"`{path}` was exported for `{m['program']['platform']}`; this process "
+    if m["platform"] != export.default_export_platform():
+        raise ArtifactError(f"`{path}` was exported for `{m['platform']}`; this process "
                             f"runs on `{export.default_export_platform()}`: re-run `kernjax cut` here")
-    blob = (path / m["program"]["file"]).read_bytes()
-    if m["program"]["platform"] == "cuda":
+    if m["platform"] == "cuda":
         # A Mosaic GPU kernel's host code links against a runtime library that this import
         # points XLA at; a program read back from disk, never traced here, needs it all the same.
         importlib.import_module("jax.experimental.mosaic.gpu")
@@ -301,22 +389,27 @@ def _read(path: Path, m: dict) -> Artifact:
         ffi.register()
     except ffi.ExtensionError:
         pass  # a program that calls one fails naming it; one that calls none runs
-    if hashlib.sha256(blob).hexdigest() != m["program"]["sha256"]:
-        raise ArtifactError(f"`{path / m['program']['file']}` does not match the hash in its "
-                            "manifest; the artifact was changed or half-written: re-run `kernjax cut`")
-    edged = None
-    if "edged" in m:
-        eblob = (path / m["edged"]["file"]).read_bytes()
-        if hashlib.sha256(eblob).hexdigest() != m["edged"]["sha256"]:
-            raise ArtifactError(f"`{path / m['edged']['file']}` does not match the hash in its "
-                                "manifest: re-run `kernjax cut`")
-        edged = export.deserialize(eblob)
-    art = Artifact(path, m, _unslots(m["inputs"]), _unslots(m["arrivals"]),
-                   _unslots(m["departures"]), _unslots(m["outputs"]), export.deserialize(blob),
-                   edged, _recipes(path, m["derive"]))
+    files = {}
+    for name, sha in m["files"].items():
+        if not re.fullmatch(r"(program(-[\w.]+)?|edged)\.jaxexport", name):
+            raise ValueError(f"file {name}")
+        blob = (path / name).read_bytes()
+        if hashlib.sha256(blob).hexdigest() != sha:
+            raise ArtifactError(f"`{path / name}` does not match the hash in its manifest; the "
+                                "artifact was changed or half-written: re-run `kernjax cut`")
+        files[name] = export.deserialize(blob)
+    programs = {}
+    for name, e in m["programs"].items():
+        programs[name] = Program(name, Shape(**e["item"]), _unslots(e["inputs"]),
+                                 _unslots(e["arrivals"]), _unslots(e["departures"]),
+                                 _unslots(e["outputs"]), files[e["file"]], e["file"],
+                                 files[e["edged"]] if e.get("edged") else None)
+    if not programs:
+        raise ValueError("programs")
+    art = Artifact(path, m, programs, _recipes(path, m["derive"]))
     # what later code reads of the manifest, read once here, where a bad field is reported
     if not (type(art.index) is int and type(art.stages) is int and isinstance(art.cut_id, str)
-            and isinstance(art.dtype, str) and art.item is not None
+            and isinstance(art.dtype, str)
             and isinstance(m["model"]["config"], dict) and isinstance(m["checkpoint"], dict)
             and isinstance(m["lowering"], dict) and isinstance(m["derive"]["recipes"], list)):
         raise TypeError("cut, dtype, item, lowering, model or checkpoint")
@@ -331,7 +424,8 @@ def model_meta(fam, cfg) -> dict:
 
 
 def _cut_file(name: str) -> bool:
-    return name in ("manifest.json", PROGRAM, EDGED) or bool(re.fullmatch(r"derive\d+\.jaxexport", name))
+    return name in ("manifest.json", PROGRAM, EDGED) or bool(
+        re.fullmatch(r"derive\d+\.jaxexport|program-[\w.]+\.jaxexport", name))
 TEMP = ".cut-"  # the prefix of a cut's directory while it is written
 
 
@@ -371,10 +465,12 @@ def write_cut(out: Path, stages, meta: dict, *, say=lambda msg: None) -> list[st
     tmp = Path(tempfile.mkdtemp(prefix=TEMP, dir=out))
     names = []
     try:
-        for st in stages:
+        for sts in stages:  # a Stage, or a stage's programs by name
+            st = next(iter(sts.values())) if isinstance(sts, dict) else sts
             name = f"stage{st.index}" if st.stages > 1 else "whole"
-            say(f"writing {out / name} ({counted(len(st.calls), 'call')})")
-            _write(tmp / name, st, **meta)
+            say(f"writing {out / name} ({counted(len(st.calls), 'call')}"
+                + (f", {counted(len(sts), 'program')}" if isinstance(sts, dict) else "") + ")")
+            _write(tmp / name, sts, **meta)
             names.append(name)
         if old:
             say(f"replacing the previous cut in {out}: {', '.join(old)}")
@@ -387,14 +483,44 @@ def write_cut(out: Path, stages, meta: dict, *, say=lambda msg: None) -> list[st
     return names
 
 
-def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, context: int,
-                   out: Path, lowering=None):
-    """The uncut program of a model as a verified one-stage artifact written to `out`."""
-    from kernjax.core.cut import whole
+DECODE = (1, 4, 16, 64)  # the decode buckets a cut writes by default: B sequences of one row
+
+
+def programs(fam, cfg, *, dtype: str, rows: int, seqs: int, context: int,
+             pages: int | None = None, slots: int | None = None, decode=DECODE,
+             score: bool = True) -> dict:
+    """The programs of one cut (`kernjax.core.trace.Program`s by name): the prefill chunk of
+    `rows` rows and `seqs` sequences, the same chunk scoring every row (`score`), and a decode
+    program per bucket B of `decode` (`decode<B>`: B sequences of one row), all with the same
+    states (pages, slots) and page tables."""
     from kernjax.core.item import item_shape
-    program = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context)
-    return read(write(out, whole(program, lowering=lowering), model=model_meta(fam, cfg),
-                      checkpoint=ref, dtype=dtype, item=item_shape(program, fam.page(cfg)),
+    first = fam.program(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages,
+                        slots=slots)
+    same = dict(dtype=dtype, context=context, pages=item_shape(first, fam.page(cfg)).pages,
+                slots=first.slots or None)
+    out = {DEFAULT: first}
+    if score:
+        out["score"] = fam.program(cfg, rows=rows, seqs=seqs, scores=True, **same)
+    for b in sorted(set(decode)):
+        if b < 1:
+            raise ValueError(f"decode bucket {b}: a bucket holds at least one sequence")
+        out[f"decode{b}"] = fam.program(cfg, rows=b, seqs=b, **same)
+    return out
+
+
+def items(fam, cfg, progs: dict) -> dict:
+    """Each program's item shape (`kernjax.core.item.Shape`), by name."""
+    from kernjax.core.item import item_shape
+    return {n: item_shape(p, fam.page(cfg)) for n, p in progs.items()}
+
+
+def whole_artifact(fam, cfg, ref: dict, dtype: str, *, rows: int, seqs: int, context: int,
+                   out: Path, lowering=None, decode=DECODE):
+    """The uncut programs of a model (`programs`) as a verified one-stage artifact at `out`."""
+    from kernjax.core.cut import whole_all
+    progs = programs(fam, cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, decode=decode)
+    return read(write(out, whole_all(progs, lowering=lowering), model=model_meta(fam, cfg),
+                      checkpoint=ref, dtype=dtype, item=items(fam, cfg, progs),
                       derive=fam.derived(dataclasses.replace(cfg, dtype=dtype))))
 
 

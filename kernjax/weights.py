@@ -291,8 +291,12 @@ def write_random(name: str, *, seed: int, dtype: str, out: str | os.PathLike,
         wm = {t: fname for fname, sh in zip(names, shards) for t in sh}
         (out / "model.safetensors.index.json").write_text(json.dumps(
             {"metadata": {"total_size": total}, "weight_map": wm}, indent=2))
-    write_tokenizer(out, cfg.vocab)
+    eos = write_tokenizer(out, cfg.vocab)
     conf = {**fam.hf_config(cfg), "torch_dtype": dtype, "_name": name, "_seed": seed}
+    if eos:
+        conf["eos_token_id"] = eos[0]
+        (out / "generation_config.json").write_text(json.dumps(
+            {"eos_token_id": eos, "do_sample": False}, indent=2))
     (out / "config.json").write_text(json.dumps(conf, indent=2))
     return out
 
@@ -307,23 +311,77 @@ its first token. 0 1 2 3 4 5 6 7 8 9 + - * / = ( ) [ ] { } < > " ' ? ! . , ; : t
 """
 
 
-def write_tokenizer(out: Path, vocab: int) -> None:
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 0, 1, 2 of a random tokenizer
+# ChatML: a random checkpoint chats in the format of the popular open chat models (without tool
+# and thinking parts).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content']"
+    " + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def write_tokenizer(out: Path, vocab: int) -> list[int]:
     """Writes `tokenizer.json`: a byte-level BPE trained on `TEXT` with at most `vocab` ids (at
-    most 1024), so any text encodes to ids in range; the same bytes every time. Nothing is
-    written for a vocabulary smaller than the 256 bytes."""
+    most 1024), so any text encodes to ids in range, its special tokens `SPECIAL` first; and
+    `tokenizer_config.json` with a ChatML chat template. The same bytes every time. Returns the
+    end-of-sequence ids (`<|im_end|>`, `<|endoftext|>`). Nothing is written for a vocabulary
+    smaller than the 256 bytes."""
     from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
     from tokenizers import models as tm
-    if vocab < 256:
-        return
+    if vocab < 256 + len(SPECIAL):
+        return []
     tok = Tokenizer(tm.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.train_from_iterator([TEXT], trainers.BpeTrainer(
         vocab_size=min(vocab, 1024), initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False))
+        special_tokens=list(SPECIAL), show_progress=False))
     tmp = out / f"tokenizer.json.tmp{os.getpid()}"
     tmp.write_text(tok.to_str(pretty=True))
     tmp.replace(out / "tokenizer.json")
+    ids = {t: tok.token_to_id(t) for t in SPECIAL}
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHAT_TEMPLATE,
+        "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+        "model_max_length": 1 << 20,
+        "added_tokens_decoder": {str(i): {"content": t, "special": True}
+                                 for t, i in ids.items()}}, indent=2))
+    return [ids["<|im_end|>"], ids["<|endoftext|>"]]
+
+
+def sampling_defaults(ckpt: Path | None) -> dict:
+    """The sampling a request gets for the fields it leaves out, from the checkpoint's
+    `generation_config.json` (as vLLM reads it): its `temperature`, `top_p`, `top_k` and `min_p`,
+    and temperature 0 (greedy) where it says `do_sample: false` and names no temperature; {} for
+    a checkpoint without one (OpenAI's defaults then)."""
+    p = Path(ckpt) / "generation_config.json" if ckpt else None
+    try:
+        g = json.loads(p.read_text()) if p and p.is_file() else {}
+    except ValueError:
+        return {}
+    if not isinstance(g, dict):
+        return {}
+    out = {k: g[k] for k in ("temperature", "top_p", "top_k", "min_p")
+           if type(g.get(k)) in (int, float)}
+    if g.get("do_sample") is False and "temperature" not in out:
+        out["temperature"] = 0.0
+    return out
+
+
+def eos_ids(ckpt: Path | None) -> frozenset[int]:
+    """The checkpoint's end-of-sequence token ids: `generation_config.json`'s `eos_token_id` (an
+    id or a list) and `config.json`'s; none for a checkpoint that names none."""
+    out: set[int] = set()
+    for f in ("generation_config.json", "config.json"):
+        p = Path(ckpt) / f if ckpt else None
+        if p is None or not p.is_file():
+            continue
+        try:
+            v = json.loads(p.read_text()).get("eos_token_id")
+        except (ValueError, AttributeError):
+            continue
+        out |= {t for t in (v if isinstance(v, list) else [v]) if type(t) is int and t >= 0}
+    return frozenset(out)
 
 
 def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> Path:
@@ -343,8 +401,8 @@ def random_checkpoint(name: str, *, seed: int = 0, dtype: str | None = None) -> 
             tmp.rename(path)
         except OSError:  # another process made it first
             shutil.rmtree(tmp, ignore_errors=True)
-    if not (path / "tokenizer.json").is_file():  # cached before random checkpoints had one
-        write_tokenizer(path, cfg.vocab)
+    if not all((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        write_tokenizer(path, cfg.vocab)  # cached before random checkpoints had them
     return path
 
 

@@ -25,7 +25,7 @@ that starts at position 0 starts them from zeros.
 Calls: `embed`, `l0.input_norm`; per KDA layer `kda_proj`, `short_conv`, `kda`, `o_norm`,
 `o_proj`; per MLA layer `q_proj`, `kv_a`, `kv_write`, `attn`, `o_proj`; then `post_attn_norm`,
 the MLP (`gate_up`, `silu_mul`, `down_proj`) or `moe`, `next_input_norm`; then `lm_head`,
-`argmax`.
+`sample` (and in the score program `score`).
 """
 
 from __future__ import annotations
@@ -41,10 +41,11 @@ import numpy as np
 from kernjax.core.trace import Program, Slot, call, trace
 
 from kernjax.kernels import kda, mxfp4
+from kernjax.kernels.reduce import rowmean
 
 from . import mla, moe, seqstate
-from .qwen3 import (add_norm, argmax, embed, gate_up, input_norm, layer_of, linear, lm_head,
-                    silu_mul)
+from .qwen3 import (HEAD_OUTPUTS, SCORE_OUTPUTS, add_norm, embed, gate_up, head, head_inputs,
+                    input_norm, layer_of, linear, silu_mul)
 from .qwen3 import random_weight as _qwen3_random
 
 PAGE = mla.PAGE
@@ -280,22 +281,23 @@ def _l2norm(x):
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None, slots: int | None = None) -> Program:
+            pages: int | None = None, slots: int | None = None, scores: bool = False) -> Program:
     """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program (the
     arguments of `prefill`)."""
     fn, inputs, outputs, slots = prefill(cfg, dtype=dtype, rows=rows, seqs=seqs,
-                                         context=context, pages=pages, slots=slots)
+                                         context=context, pages=pages, slots=slots, scores=scores)
     return trace(fn, inputs, outputs, rows=rows, slots=slots, layer_of=layer_of)
 
 
 def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None, slots: int | None = None):
+            pages: int | None = None, slots: int | None = None, scores: bool = False):
     """The prefill forward as `(fn, inputs, outputs, slots)`, ready for `trace`.
 
     Args:
       cfg, dtype, rows, seqs, context, pages: as `qwen3.prefill` (pages of the MLA states).
       slots: per-sequence state slots, slot 0 never leased; by default `4 * seqs + 1`, so a
         pipeline can hold four items' sequences in flight.
+      scores: also score every row against the `targets` fill (`qwen3.head`).
     """
     if context > cfg.max_positions:
         raise ValueError(f"context {context} is past the model's max positions "
@@ -324,7 +326,8 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
                Slot("page_table", "table", "int32", (seqs, width))]
     states = [f"kv.{i}" for i in cfg.mla_layers] + \
         [n for i in kda_layers for n in (f"conv.{i}", f"kda.{i}")]
-    outputs = [("next_token", "tokens"), ("logits", "logits")] + [(n, "state") for n in states]
+    inputs += head_inputs(rows, seqs, scores)
+    outputs = HEAD_OUTPUTS + SCORE_OUTPUTS * scores + [(n, "state") for n in states]
     eps = cfg.eps
     scale = mla.softmax_scale(nope, rope)
 
@@ -373,7 +376,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
 
     def o_norm(o, gate, w):
         o32 = o.astype(jnp.float32)
-        o32 = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + eps)
+        o32 = o32 * jax.lax.rsqrt(rowmean(o32 * o32, keepdims=True) + eps)
         g = jax.nn.sigmoid(gate.astype(jnp.float32).reshape(rows, H, K))
         return (o32 * w.astype(jnp.float32) * g).astype(dt).reshape(rows, HK)
 
@@ -448,8 +451,6 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
                     *(W_(e + f"shared_experts.{n}_proj.weight") for n in ("gate", "up", "down")))
             nxt = "norm.weight" if i == L - 1 else f"layers.{i + 1}.input_layernorm.weight"
             a, h = call(c + "next_input_norm", add_norm_)(y, h, W_(nxt))
-        logits = call("lm_head", lm_head)(a, x["lm_head.weight"], x["cu_seqlens"])
-        tokens = call("argmax", argmax)(logits)
-        return {"next_token": tokens, "logits": logits, **new}
+        return {**head(x, a, x["lm_head.weight"], scores), **new}
 
     return forward, inputs, outputs, slots

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from kernjax.kernels.attention import NEG, exact, item_rows
+from kernjax.kernels.reduce import rowmean, rowsum
 
 PAGE = 16  # rows a page of the latent state holds (models/k3.py's)
 
@@ -58,7 +59,7 @@ def latent(c, norm_w, *, kv_lora: int, eps: float):
     the shared `k_pe` (§3.2 steps 2–3; the norm computed in float32, as qwen3's `_rms`)."""
     ckv, k_pe = c[..., :kv_lora], c[..., kv_lora:]
     x32 = ckv.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(rowmean(x32 * x32, keepdims=True) + eps)
     return norm_w * x32.astype(c.dtype), k_pe
 
 
@@ -144,7 +145,7 @@ def attend(state, q_nope, q_pe, w_kv_b, positions, cu_seqlens, page_table, *, sc
             pv = jnp.einsum("hrb,sbhv->hrsv", p.astype(dtype), vals, preferred_element_type=f32,
                             precision=prec)
         pv = jnp.take_along_axis(pv, own, axis=2)[:, :, 0]
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+        return m_new, l * alpha + rowsum(p), acc * alpha[..., None] + pv
 
     init = (jnp.full((heads, rows), NEG, f32), jnp.zeros((heads, rows), f32),
             jnp.zeros((heads, rows, d_acc), f32))

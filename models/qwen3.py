@@ -2,7 +2,8 @@
 
 Calls: `embed`, `l0.input_norm`, then twelve per layer (`qkv_proj`, `q_norm`, `k_norm`, `rope`,
 `kv_write`, `attn`, `o_proj`, `post_attn_norm`, `gate_up`, `silu_mul`, `down_proj`,
-`next_input_norm`; the last layer's applies the final norm), then `lm_head` and `argmax`. Layer
+`next_input_norm`; the last layer's applies the final norm), then `lm_head` and `sample` (and in
+the score program `score`). Layer
 `i` starts at call `2 + 12 i`, so layer 18 of qwen3-4b starts at call 218, as in kern.
 
 As in kern, `qkv_proj` is one GEMM: the program reads one weight per layer,
@@ -24,7 +25,9 @@ blocks the item's sequences reach (`kernjax/kernels/attention.py`: plain JAX on 
 the kernel its `route` picks by dtype and shape, for any heads / kv_heads: FlashAttention-3 for
 bf16 at head_dim 128, a Pallas Triton kernel for float32). Page 0 is never leased, so unused
 page-table entries point at it. `lm_head` takes each sequence's last row of the
-chunk, and `argmax` picks its token: after a prompt's last chunk, its first generated token.
+chunk, and `sample` picks its token (greedy, or drawn as the `sampling` and `rng` fills say):
+after a prompt's last row, its next token. The score program's `score` gives every row's
+log-probability of its `targets` fill and its top-K (`kernjax/kernels/head.py`).
 
 The math follows `modeling_qwen3.py`: RMSNorm in f32 cast back before the weight, q/k norms over
 head_dim before NeoX RoPE with cos/sin cast to the activation dtype, softmax in f32.
@@ -42,7 +45,8 @@ import numpy as np
 
 from kernjax.core.staging import Recipe
 from kernjax.core.trace import Program, Slot, call, on_gpu, trace
-from kernjax.kernels import dense_cuda, mlp_hopper
+from kernjax.kernels import dense_cuda, head as heads, mlp_hopper
+from kernjax.kernels.reduce import rowmean
 from kernjax.kernels.attention import chunk_attention, exact, page_size
 
 
@@ -194,14 +198,19 @@ def random_weight(name: str, shape: tuple[int, ...], rng: np.random.Generator) -
 
 
 def rms(x, w, eps):
-    """RMSNorm as HF computes it: in float32, cast back to x's dtype before the weight."""
+    """RMSNorm as HF computes it: in float32, cast back to x's dtype before the weight; the mean
+    in an order that is the same for a row whatever rows run beside it (`reduce.rowmean`)."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    x32 = x32 * jax.lax.rsqrt(rowmean(x32 * x32, keepdims=True) + eps)
     return w * x32.astype(x.dtype)
 
 
 def linear(x, w):
-    """x @ wᵀ (w as a checkpoint stores it, [out, in]); float32 products in full precision."""
+    """x @ wᵀ (w as a checkpoint stores it, [out, in]); float32 products in full precision. One
+    row runs as two (`head.pad_rows`), so a row's bits do not depend on how many rows run with
+    it (a one-row program, a decode step, gives the row what a chunk gives it)."""
+    if x.ndim == 2 and x.shape[0] == 1:
+        return linear(heads.pad_rows(x), w)[:1]
     return jnp.einsum("...i,oi->...o", x, w, precision=exact(x.dtype))
 
 
@@ -243,17 +252,47 @@ for _name, _rule in [("q_norm", dense_cuda.head_norm), ("k_norm", dense_cuda.hea
 
 
 def lm_head(a, w, cu_seqlens):
-    """Logits of each sequence's last row of the chunk."""
-    return linear(a[jnp.maximum(cu_seqlens[1:] - 1, 0)], w)
+    """Logits of each sequence's last row of the chunk, one vocabulary slice at a time
+    (`kernjax.kernels.head`)."""
+    return heads.logits(a[jnp.maximum(cu_seqlens[1:] - 1, 0)], w, linear)
 
 
-def argmax(logits):
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+def sample(logits, sampling, rng):
+    """Each sequence's next token, its log-probability and top-K (`kernjax.kernels.head`)."""
+    return heads.sample(logits, sampling, rng)
+
+
+def score(a, w, targets):
+    """Every row's log-probability of its target and its top-K, a vocabulary slice at a time."""
+    return heads.score(a, w, targets, linear)
+
+
+def head_inputs(rows: int, seqs: int, scores: bool) -> list[Slot]:
+    """The fills the head's calls read: each sequence's sampling parameters and counter key, and
+    with `scores` each row's target token (`kernjax.core.item`)."""
+    out = [Slot("sampling", "fill", "float32", (seqs, 4)), Slot("rng", "fill", "uint32", (seqs, 3))]
+    return out + [Slot("targets", "fill", "int32", (rows,))] * scores
+
+
+HEAD_OUTPUTS = [("next_token", "tokens"), ("logits", "logits"), ("logprob", "logprobs"),
+                ("top_ids", "logprobs"), ("top_logprobs", "logprobs")]
+SCORE_OUTPUTS = [("target_logprob", "logprobs"), ("row_top_ids", "logprobs"),
+                 ("row_top_logprobs", "logprobs")]
+
+
+def head(x, a, w, scores: bool) -> dict:
+    """The calls after the last layer: `lm_head` and `sample`, then with `scores` `score`."""
+    logits = call("lm_head", lm_head)(a, w, x["cu_seqlens"])
+    out = dict(zip([n for n, _ in HEAD_OUTPUTS[:1] + HEAD_OUTPUTS[2:]],
+                   call("sample", sample)(logits, x["sampling"], x["rng"])), logits=logits)
+    if scores:
+        out.update(zip([n for n, _ in SCORE_OUTPUTS], call("score", score)(a, w, x["targets"])))
+    return out
 
 
 def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
             pages: int | None = None, slots: int | None = None,
-            page_rows: int | None = None) -> Program:
+            page_rows: int | None = None, scores: bool = False) -> Program:
     """Traces the prefill forward of `cfg` for chunks of `rows` rows into a Program.
 
     Takes the arguments of `prefill`; `slots` is refused (Qwen3's states are all paged).
@@ -262,7 +301,7 @@ def program(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
         raise ValueError(f"--slots: {cfg.name} has no per-sequence states (its states are "
                          "paged: size them with --pages)")
     return trace(*prefill(cfg, dtype=dtype, rows=rows, seqs=seqs, context=context, pages=pages,
-                          page_rows=page_rows), rows=rows, layer_of=layer_of)
+                          page_rows=page_rows, scores=scores), rows=rows, layer_of=layer_of)
 
 
 def layer_of(call_name: str) -> int | None:
@@ -272,7 +311,7 @@ def layer_of(call_name: str) -> int | None:
 
 
 def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-            pages: int | None = None, page_rows: int | None = None):
+            pages: int | None = None, page_rows: int | None = None, scores: bool = False):
     """The prefill forward of `cfg` as `(fn, inputs, outputs)`, ready for `trace`.
 
     Args:
@@ -283,6 +322,7 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
       context: the longest sequence, in tokens; sets the page table's width.
       pages: pages per KV state, page 0 included; by default room for `seqs` full contexts.
       page_rows: rows a page holds, by default `page(cfg)` (experiments compare 16 and 128).
+      scores: also score every row against the `targets` fill (the `score` program).
     """
     if context > cfg.max_positions:
         raise ValueError(f"context {context} is past the model's max_position_embeddings "
@@ -298,7 +338,8 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
                Slot("slots", "fill", "int32", (rows,)),
                Slot("cu_seqlens", "fill", "int32", (seqs + 1,)),
                Slot("page_table", "table", "int32", (seqs, width))]
-    outputs = [("next_token", "tokens"), ("logits", "logits")]
+    inputs += head_inputs(rows, seqs, scores)
+    outputs = HEAD_OUTPUTS + SCORE_OUTPUTS * scores
     outputs += [(f"kv.{i}", "state") for i in range(L)]
     eps, scale = cfg.eps, 1.0 / math.sqrt(D)
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2, dtype=np.int64).astype(np.float32) / D))
@@ -368,8 +409,6 @@ def prefill(cfg: Config, *, dtype: str, rows: int, seqs: int = 1, context: int =
             a, h = call(c + "next_input_norm", add_norm_)(y, h, W(nxt))
             new[f"kv.{i}"] = kv
         lm = x["lm_head.weight"] if not cfg.tied else W("embed_tokens")
-        logits = call("lm_head", lm_head)(a, lm, x["cu_seqlens"])
-        tokens = call("argmax", argmax)(logits)
-        return {"next_token": tokens, "logits": logits, **new}
+        return {**head(x, a, lm, scores), **new}
 
     return forward, inputs, outputs

@@ -165,7 +165,7 @@ def test_cli_cut_then_chain_passes(tmp_path):
     p = _cli("chain", "--stages", str(tmp_path / "st"), "--prompts", str(f), "--chunk", "32")
     assert p.returncode == 0, p.stderr
     assert p.stdout.splitlines()[-1] == "PASS: 5 prompts bitwise identical"
-    assert "prompt 3: 65 tokens, 3 chunks: IDENTICAL" in p.stdout
+    assert "prompt 3: 65 tokens, 3 chunks, 4 decode steps: IDENTICAL" in p.stdout
 
 
 def test_cli_run_whole_and_stages_agree(tmp_path):

@@ -69,7 +69,8 @@ async def _post(session, url, body, raw=None):
 def _complete(url, prompts, *, concurrent: bool, model: str = "qwen3-tiny"):
     async def go():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            body = lambda p: {"model": model, "prompt": p, "max_tokens": 1}  # noqa: E731
+            body = lambda p: {"model": model, "prompt": p, "max_tokens": 1,  # noqa: E731
+                              "temperature": 0}
             if concurrent:
                 return await asyncio.gather(*(_post(s, url, body(p)) for p in prompts))
             return [await _post(s, url, body(p)) for p in prompts]

@@ -19,9 +19,12 @@ def main_def():
 
 Traces the model's forward, cuts it before each point (18: layer 18; c218: call 218; commas
 separate points), prints what each stage keeps and sends, and writes stage0/ .. stageN/ and
-whole/ into DIR, replacing a previous cut there. The kernel options (--[no]dense_cuda,
+whole/ into DIR, replacing a previous cut there. Every stage holds the cut's programs: the
+prefill chunk (--chunk rows, --seqs sequences), the same chunk scoring every row (prompt
+log-probabilities) and a decode program per --decode bucket; one cut id covers them all. The kernel options (--[no]dense_cuda,
 --mlp_tile, --[no]mlp_across, --[no]graph_cuts, --[no]fa3_graphs) choose how a GPU lowers the
 calls; they are part of the cut id, so every stage and whole/ share them."""
+    from kernjax.artifact import DECODE
     from kernjax.core.lowering import DEFAULT, MLP_TILES
     sources.source_flags()
     flags.DEFINE_string("at", None, "cut points: a layer (18), a call index (c218), comma-separated;"
@@ -35,6 +38,8 @@ calls; they are part of the cut id, so every stage and whole/ share them."""
     flags.DEFINE_integer("seqs", 4, "sequences one item may hold (packed prefill)")
     flags.DEFINE_integer("context", 4096, "the longest sequence, in tokens")
     flags.DEFINE_integer("pages", None, "pages per KV state (default: seqs full contexts + 1)")
+    flags.DEFINE_list("decode", [str(b) for b in DECODE], "decode buckets: a program of B "
+                      "sequences of one row each per bucket B (generation); empty for none")
     flags.DEFINE_integer("slots", None, "sequence slots per per-sequence state, slot 0 never "
                          "leased (models with recurrent states, k3-mini; default 4 * seqs + 1)")
     flags.DEFINE_boolean("dense_cuda", DEFAULT.dense_cuda, "GPU: a dense layer's q_norm, k_norm, "
@@ -61,7 +66,6 @@ def lowering_from_flags():
 def main():
     from kernjax import artifact, weights
     from kernjax.core import cut
-    from kernjax.core.item import item_shape
     fam, cfg, ref, dtype = sources.source()
     out = Path(FLAGS.out)
     artifact.previous_cut(out)  # refuses an --out that holds other files before tracing
@@ -72,8 +76,14 @@ def main():
     if low:
         raise ValueError("; ".join(low) + " (see --help)")
     lowering = lowering_from_flags()
-    program = fam.program(cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
-                          context=FLAGS.context, pages=FLAGS.pages, slots=FLAGS.slots)
+    bad = [b for b in FLAGS.decode if not (b.isdigit() and 1 <= int(b) < 2**16)]
+    if bad:
+        raise ValueError(f"--decode {','.join(FLAGS.decode)}: `{bad[0]}` is not a bucket; give "
+                         "sequence counts from 1, comma-separated (or --decode= for none)")
+    progs = artifact.programs(fam, cfg, dtype=dtype, rows=FLAGS.chunk, seqs=FLAGS.seqs,
+                              context=FLAGS.context, pages=FLAGS.pages, slots=FLAGS.slots,
+                              decode=[int(b) for b in FLAGS.decode])
+    program = progs[artifact.DEFAULT]
     cfg_d = dataclasses.replace(cfg, dtype=dtype)  # the derive program makes weights in it
     if "dir" in ref:
         weights.check_sources(fam, cfg_d, program, Path(ref["dir"]))
@@ -85,20 +95,23 @@ def main():
                              "(experiments/ is not installed) on the device that will run the "
                              "stages")
         ms = profile_times(FLAGS.profile, program, cfg.name)
-        stages, points, periods = cut.auto(program, ms, FLAGS.stages, lowering=lowering)
+        _, points, periods = cut.auto(program, ms, FLAGS.stages, lowering=lowering)
         even = sum(periods) / len(periods)
         print(f"--at auto: c{', c'.join(map(str, points))} "
               f"({', '.join(f'`{program.calls[p]}`' for p in points)}); stage periods "
               f"{', '.join(f'{p:.3f}' for p in periods)} ms by the profile, the longest "
               f"{max(periods) / even:.3f} of even")
     else:
-        stages = cut.cut(program, cut.points(FLAGS.at, program), lowering=lowering)
+        points = cut.points(FLAGS.at, program)
+    sets = cut.cut_all(progs, points, lowering=lowering)
+    stages = sets[artifact.DEFAULT]
     print(f"{cfg.name}, {dtype}, chunk {FLAGS.chunk}: {len(program.calls)} calls, KV in pages "
           f"of {fam.page(cfg)} rows, traced in {time.time() - t0:.1f} s")
-    print(cut.describe(program, stages))
+    print(cut.describe(program, stages, programs=progs))
     meta = dict(model=artifact.model_meta(fam, cfg), checkpoint=ref, dtype=dtype,
-                item=item_shape(program, fam.page(cfg)), derive=fam.derived(cfg_d))
-    artifact.write_cut(out, (*stages, cut.whole(program, lowering=lowering)), meta,
+                item=artifact.items(fam, cfg, progs), derive=fam.derived(cfg_d))
+    per_stage = [{n: sets[n][s] for n in progs} for s in range(len(stages))]
+    artifact.write_cut(out, (*per_stage, cut.whole_all(progs, lowering=lowering)), meta,
                        say=shell.say)
     print(f"wrote {cut.counted(len(stages), 'stage')} and whole/ to {out} in "
           f"{time.time() - t0:.1f} s")

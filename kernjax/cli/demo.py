@@ -3,7 +3,9 @@
 The default model (`kernjax.models.DEFAULT`, a small random-weight model) is cut on the CPU into 2
 stages at its middle layer and into 3 (after layer 1's first call, and mid-way through the middle
 layer), and the chain gate runs the stages and the whole program on seven prompts, comparing
-logits and tokens bitwise after every chunk. It runs the real command-line tools and shows each.
+logits, tokens and log-probabilities bitwise after every chunk of the prefill and score programs
+and every decode step; then the 2 stages generate a continuation. It runs the real command-line
+tools and shows each.
 """
 
 from __future__ import annotations
@@ -41,9 +43,10 @@ def _accepted(cut, error, program, at) -> bool:
 def main_def():
     """Usage: kernjax demo [--model NAME] [--chunk N] [--out DIR]
 
-The main job, also what `kernjax` with no verb runs: cuts the model into 2 and 3 stages and runs
-the chain gate on each (whole program and stages bitwise identical on seven prompts), showing
-every command it runs."""
+The main job, also what `kernjax` with no verb runs: cuts the model into 2 and 3 stages, runs
+the chain gate on each (whole program and stages bitwise identical on seven prompts: prefill,
+scores and decode steps) and generates 16 tokens through the 2 stages, showing every command it
+runs."""
     from kernjax import models
     flags.DEFINE_string("model", models.DEFAULT, sources.model_help("the named model to cut"))
     flags.DEFINE_integer("chunk", 64, "rows per chunk")
@@ -74,5 +77,7 @@ def main() -> None:
             _run("cut", "--model", name, "--at", at, "--chunk", str(c),
                  "--context", "2560", "--out", str(out / sub))
             _run("chain", "--stages", str(out / sub), "--prompts", str(prompts))
-    print("\nsplit equals whole, bit for bit. Next: README.md (the cut, run and chain commands).")
+        _run("run", "--stages", str(out / "two"), "--tokens", "1 2 3", "--max_tokens", "16")
+    print("\nsplit equals whole, bit for bit. Next: README.md (the cut, run, chain and serve "
+          "commands).")
 

@@ -102,11 +102,16 @@ def _log_to() -> None:
 def _warm(runner) -> None:
     """Compiles what this stage will run before it joins: its program with edge ops where the
     transport moves activations on the device (running that would wait for the neighbours),
-    else the plain one, run on an empty item."""
+    else the programs of --warm, each run on an empty item (the others compile at first use)."""
     if FLAGS.transport != "host" and runner.art.stages > 1:
         runner.compile_edged()
-    else:
-        runner.warm()
+        return
+    names = list(runner.art.programs) if FLAGS.warm == ["all"] else FLAGS.warm
+    bad = [n for n in names if n not in runner.art.programs]
+    if bad:
+        raise ValueError(f"--warm {','.join(FLAGS.warm)}: `{runner.art.path}` has no program "
+                         f"`{bad[0]}`; it has {', '.join(runner.art.programs)} (or give all)")
+    runner.warm(names)
 
 
 def _edges() -> None:
@@ -224,6 +229,8 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
                          "(default: the open-file limit less 256, at least 64 and at most 4096)")
     flags.DEFINE_float("body_timeout", 30.0, "seconds a request body may take to arrive (else "
                        "408); idle connections close after it")
+    flags.DEFINE_list("warm", ["all"], "programs to compile before serving (`all`, or names "
+                      "such as prefill,decode1); the others compile when first used")
     flags.DEFINE_integer("max_prompts", 64, "prompts in one batch request; with the context it "
                          "bounds the body size (413 past it)")
 
@@ -277,7 +284,8 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=weights.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,
                        api_key=FLAGS.api_key, max_connections=FLAGS.max_connections,
-                       body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts)
+                       body_timeout=FLAGS.body_timeout, max_prompts=FLAGS.max_prompts,
+                       eos=weights.eos_ids(ckpt), defaults=weights.sampling_defaults(ckpt))
         url = f"http://{FLAGS.host}:{http.getsockname()[1]}"  # the port --port 0 got
         from kernjax.serve.stage_host import memory_line
         print(f"head: {memory_line(runner.memory())}", file=sys.stderr)

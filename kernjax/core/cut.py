@@ -24,7 +24,7 @@ the call. Pure: jaxprs and ints in, data out; no devices, files or clocks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax.extend.core as jex
 import numpy as np
@@ -64,6 +64,7 @@ class Stage:
     jaxpr: jex.ClosedJaxpr
     rows: int
     lowering: dict  # the lowering table (`kernjax.core.lowering`) every stage of the cut shares
+    program: str = "prefill"  # which of the cut's programs this is a stage of (`cut_all`)
 
 
 def table(lowering_: lowering.Lowering | None = None) -> dict:
@@ -71,12 +72,15 @@ def table(lowering_: lowering.Lowering | None = None) -> dict:
     return (lowering_ or lowering.DEFAULT).table(routes())
 
 
-def cut_id(program: Program, points: Sequence[int], table_: dict | None = None) -> str:
-    """FNV-1a 64 over the program's text, each cut point as a little-endian u64 (as kern does),
-    then the lowering table (`lowering.canonical`): one jaxpr exported with other kernels is
-    another cut."""
+def cut_id(program: Program | Mapping[str, Program], points: Sequence[int],
+           table_: dict | None = None) -> str:
+    """FNV-1a 64 over the program's text (of a set: each program's name and text, by name), each
+    cut point as a little-endian u64 (as kern does), then the lowering table
+    (`lowering.canonical`): one jaxpr exported with other kernels is another cut."""
     h = 0xCBF29CE484222325
-    data = program.text().encode() + b"".join(int(p).to_bytes(8, "little") for p in points)
+    text = program.text().encode() if isinstance(program, Program) else b"".join(
+        n.encode() + b"\0" + program[n].text().encode() for n in sorted(program))
+    data = text + b"".join(int(p).to_bytes(8, "little") for p in points)
     data += lowering.canonical(table_ if table_ is not None else table())
     for b in data:
         h = ((h ^ b) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
@@ -107,6 +111,53 @@ def cut(program: Program, at: Sequence[int], *,
     if errs:
         raise CutError(errs)
     return _partition(program, [0, *at, n], tuple(at), table(lowering))
+
+
+def cut_all(programs: Mapping[str, Program], at: Sequence[int], *,
+            lowering: lowering.Lowering | None = None) -> dict[str, tuple[Stage, ...]]:
+    """Cuts every program of a set (a prefill chunk, a score program, decode buckets) before the
+    same call indices, with one cut id over all. The programs must run the same calls in every
+    stage but the last, so that stage s of each is one process's work; the first program is the
+    reference the others are compared with.
+
+    Raises:
+      CutError: listing every reason, a point past a program's calls or a program whose calls
+        differ from the reference's before the last point.
+    """
+    names = list(programs)
+    ref = programs[names[0]]
+    at = [int(a) for a in at]
+    errs = []
+    for name in names:
+        try:
+            cut(programs[name], at, lowering=lowering)
+        except CutError as e:
+            errs += [f"program `{name}`: {r}" for r in e.reasons]
+    end = max(at, default=0)
+    for name in names[1:]:
+        calls = programs[name].calls
+        k = next((k for k in range(min(end, len(calls), len(ref.calls)))
+                  if calls[k] != ref.calls[k]), None)
+        if k is not None:
+            errs.append(f"program `{name}` runs call {k} `{calls[k]}` where `{names[0]}` runs "
+                        f"`{ref.calls[k]}`, before the cut point {end}: the programs of a cut "
+                        "must share the calls of every stage but the last")
+    if errs:
+        raise CutError(sorted(set(errs), key=errs.index))
+    t = table(lowering)
+    bounds = lambda p: [0, *at, len(p.calls)]  # noqa: E731
+    cid = cut_id(programs, at, t)
+    return {n: tuple(dataclasses.replace(st, cut_id=cid, program=n)
+                     for st in _partition(p, bounds(p), tuple(at), t)) for n, p in programs.items()}
+
+
+def whole_all(programs: Mapping[str, Program], *,
+              lowering: lowering.Lowering | None = None) -> dict[str, Stage]:
+    """Every program of a set uncut, one stage each, with one cut id over all (`cut_all`)."""
+    t = table(lowering)
+    cid = cut_id(programs, (), t)
+    return {n: dataclasses.replace(_partition(p, [0, len(p.calls)], (), t)[0], cut_id=cid,
+                                   program=n) for n, p in programs.items()}
 
 
 def balanced(ms: Sequence[float], stages: int, banned: frozenset[int] = frozenset()) -> list[int]:
@@ -278,8 +329,10 @@ def _mib(b: int) -> str:
     return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{b / 1024:.1f} KiB"
 
 
-def describe(program: Program, stages: Sequence[Stage]) -> str:
-    """The per-stage summary `kernjax cut` prints: calls, weights, states, crossings, cut id."""
+def describe(program: Program, stages: Sequence[Stage],
+             programs: Mapping[str, Program] | None = None) -> str:
+    """The per-stage summary `kernjax cut` prints: calls, weights, states, crossings, cut id; with
+    `programs`, the cut's set (`cut_all`), which the cut id covers."""
     all_states = [s.name for s in program.inputs if s.role == "state"]
     lines = []
     for st in stages:
@@ -306,6 +359,11 @@ def describe(program: Program, stages: Sequence[Stage]) -> str:
         outs = [o.name for o in st.outputs if o.role != "state"]
         if outs:
             lines.append(f"  outputs: {', '.join(outs)}")
+    if programs:
+        lines.append(f"programs: " + ", ".join(
+            f"{n} ({p.rows} rows, {p.inputs[[s.name for s in p.inputs].index('cu_seqlens')].shape[0] - 1} seqs)"
+            if "cu_seqlens" in [s.name for s in p.inputs] else f"{n} ({p.rows} rows)"
+            for n, p in programs.items()) + "; every stage runs each, the last with its head")
     lines.append(f"cut `{stages[0].cut_id}` into {len(stages)} stages")
     return "\n".join(lines)
 

@@ -45,9 +45,13 @@ class Family(Protocol):
         """Rows a KV page holds."""
 
     def program(self, cfg, *, dtype: str, rows: int, seqs: int = 1, context: int = 4096,
-                pages: int | None = None, slots: int | None = None) -> Program:
+                pages: int | None = None, slots: int | None = None,
+                scores: bool = False) -> Program:
         """The prefill forward traced into calls (`kernjax.core.trace.trace`, with `layer_of`);
-        `slots` sizes per-sequence states, refused (ValueError) by a model that has none."""
+        `slots` sizes per-sequence states, refused (ValueError) by a model that has none. Its
+        head samples each sequence's next token by the `sampling` and `rng` fills and gives its
+        log-probabilities (`kernjax.kernels.head`); with `scores` it also scores every row
+        against the `targets` fill. A decode program is this program at rows = seqs."""
 
     def derived(self, cfg) -> list[Recipe]:
         """The derive program: weights the forward reads in another form than the checkpoint

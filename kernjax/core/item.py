@@ -14,6 +14,11 @@ and tables its own calls read. Pure: arrays in, arrays out.
                          the end, so they write nothing. A piece that starts at position 0 is a
                          fresh sequence, whose slot the model starts from zeros.
   page_table  [seqs, w]  each sequence's pages in order; unused entries are page 0, never leased
+  sampling    [seqs, 4]  each sequence's (temperature, top_p, top_k, min_p), float32; greedy
+                         (0, 1, 0, 0) where unused (`kernjax/kernels/head.py`)
+  rng         [seqs, 3]  each sequence's (seed, choice, step), uint32: the key of its next draw
+  targets     [rows]     the token each row is scored against (the score program): the piece's
+                         next tokens; 0 past them and in padding
 """
 
 from __future__ import annotations
@@ -24,15 +29,23 @@ from collections.abc import Sequence
 import numpy as np
 
 
+GREEDY = (0.0, 1.0, 0, 0.0)  # (temperature, top_p, top_k, min_p): the most likely token
+
+
 @dataclasses.dataclass(frozen=True)
 class Piece:
     """Rows `start..start+len(tokens)` of one sequence, whose pages are `pages` and whose
-    per-sequence states are at `slot` (0 for a program without them)."""
+    per-sequence states are at `slot` (0 for a program without them). Its next token is drawn
+    with `sampling` and the key `rng` (seed, choice, step); `targets`, where given, are the
+    tokens its rows are scored against (as many as its rows, or fewer: the rest get 0)."""
 
     tokens: np.ndarray
     start: int
     pages: tuple[int, ...]
     slot: int = 0
+    sampling: tuple = GREEDY
+    rng: tuple = (0, 0, 0)
+    targets: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +90,9 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
     cu = np.full(shape.seqs + 1, n, np.int32)
     seq_slots = np.full(shape.seqs, shape.slots, np.int32)
     table = np.zeros((shape.seqs, shape.width), np.int32)
+    sampling = np.tile(np.asarray(GREEDY, np.float32), (shape.seqs, 1))
+    rng = np.zeros((shape.seqs, 3), np.uint32)
+    targets = np.zeros(rows, np.int32)
     at = 0
     for i, p in enumerate(pieces):
         k, end = len(p.tokens), p.start + len(p.tokens)
@@ -96,9 +112,15 @@ def make_item(pieces: Sequence[Piece], shape: Shape) -> dict[str, np.ndarray]:
         slots[at:at + k] = pages[pos // shape.page] * shape.page + pos % shape.page
         table[i, :len(pages)] = pages
         seq_slots[i] = p.slot if shape.slots else 0
+        sampling[i] = p.sampling
+        rng[i] = p.rng
+        if p.targets is not None:
+            t = np.asarray(p.targets, np.int32)[:k]
+            targets[at:at + len(t)] = t
         at += k
     return {"tokens": tokens, "positions": positions, "slots": slots, "cu_seqlens": cu,
-            "seq_slots": seq_slots, "page_table": table}
+            "seq_slots": seq_slots, "page_table": table, "sampling": sampling, "rng": rng,
+            "targets": targets}
 
 
 def chunks(n: int, rows: int) -> list[tuple[int, int]]:

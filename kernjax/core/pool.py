@@ -12,7 +12,8 @@ page-table row is `width` pages wide, so one sequence holds at most `width * pag
 A lease is all or nothing: `lease(tokens)` takes `ceil(tokens / page)` pages or none. Pages go
 lowest free id first, so the same requests in the same order get the same pages, and a test or a
 replayed log sees the same tables. Pipeline prefill leases pages for the prompt only (no decode
-reservation, no prefix cache) and releases them when the prompt's reply arrives.
+reservation, no prefix cache); a sequence that generates grows its lease a page at a time
+(`grow`, all or nothing) and releases it when it ends.
 
 Two answers must not be confused, since the head acts differently on each. *Never*: `fits` names
 the limit a prompt exceeds (its row, or the whole pool) and admission refuses the request, as
@@ -117,6 +118,31 @@ class Pool:
         got = Lease(self._next, tuple(heapq.heappop(self._free) for _ in range(need)), tokens, slot)
         self._next += 1
         self._held[got.id] = got
+        return got
+
+    def grow(self, lease: Lease, tokens: int) -> Lease | None:
+        """`lease` grown to hold `tokens` tokens (its pages, then the lowest free ids), or None
+        while too few pages are free; the returned lease replaces `lease`, which is spent.
+        A sequence that generates grows its lease a page at a time.
+
+        Raises:
+          ValueError: for a lease this pool does not hold, or `tokens` past a row (`fits`).
+        """
+        held = self._held.get(lease.id)
+        if held is not lease:
+            raise ValueError(f"lease `{lease.id}` is not held by this pool; grow the lease it "
+                             "returned last")
+        why = self.fits(tokens)
+        if why is not None:
+            raise ValueError(f"cannot grow lease `{lease.id}` to {tokens} tokens: {why}")
+        need = -(-tokens // self.page) - len(lease.pages)
+        if need <= 0:
+            return lease
+        if need > len(self._free):
+            return None
+        got = dataclasses.replace(lease, pages=lease.pages + tuple(
+            heapq.heappop(self._free) for _ in range(need)), tokens=tokens)
+        self._held[lease.id] = got
         return got
 
     def release(self, lease: Lease) -> None:

@@ -18,7 +18,8 @@ A `Program` is a traced forward plus, for every flat input and output, its name 
 
   inputs   `weight` (checkpoint name), `state` (`kv.0` ...), `fill` (`tokens`, `positions`, ...),
            `table` (`page_table`)
-  outputs  `tokens`, `logits`, `state` (the new version of the state of the same name)
+  outputs  `tokens`, `logits`, `logprobs`, `state` (the new version of the state of the same
+           name)
 
 Tracing needs shapes only (`jax.ShapeDtypeStruct`), never weights.
 """
@@ -34,7 +35,7 @@ import numpy as np
 
 
 INPUT_ROLES = ("weight", "state", "fill", "table")
-OUTPUT_ROLES = ("tokens", "logits", "state")
+OUTPUT_ROLES = ("tokens", "logits", "logprobs", "state")
 
 
 class TraceError(ValueError):

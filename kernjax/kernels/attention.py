@@ -42,6 +42,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from kernjax.kernels.reduce import rowsum
+
 NEG = -1e30  # a masked score: finite, so a row that has seen no key yet gets p = 0, not NaN
 
 
@@ -119,45 +121,44 @@ def item_rows(positions, cu_seqlens, page_table, *, page: int, block: int, own_a
 def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: int = 128):
     """Online-softmax attention in plain JAX, `block` keys at a time, over the needed blocks only.
 
-    Each block's scores are computed against every sequence's keys of that block and the row's
-    own sequence is then *selected* (never summed over), so a row's arithmetic is the same
-    whichever slot its sequence has in the item.
+    Each row reads its own sequence's keys of the block, and its scores and values are dots
+    batched over the rows, so a row's arithmetic is the same whichever slot its sequence has in
+    the item and however many rows and sequences the item holds (XLA's CPU GEMMs order a row's
+    sum by the whole problem's shape; a batched dot gives each row its own).
     """
     rows, heads, d = q.shape
     kvh = kv.shape[3]
     g = heads // kvh
-    seqs, page = page_table.shape[0], kv.shape[1]
+    page = kv.shape[1]
     per = block // page
     table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, page=page,
-                                          block=block, own_at=(None, None, slice(None), None, None))
+                                          block=block, own_at=slice(None))
     qg = q.reshape(rows, kvh, g, d)
     f32 = jnp.float32
     prec = exact(q.dtype)
 
     def step(b, carry):
         m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)
-        blk = kv[pages].reshape(seqs, block, 2, kvh, d)
-        s = jnp.einsum("rkgd,sbkd->kgrsb", qg, blk[:, :, 0], preferred_element_type=f32,
-                       precision=prec)
-        s = jnp.take_along_axis(s, own, axis=3)[:, :, :, 0] * scale
+        pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)[own]  # [rows, per]
+        blk = kv[pages].reshape(rows, block, 2, kvh, d)
+        s = jnp.einsum("rkgd,rbkd->rkgb", qg, blk[:, :, 0], preferred_element_type=f32,
+                       precision=prec) * scale
         key = b * block + jnp.arange(block)
-        mask = valid[:, None] & (key[None, :] <= positions[:, None])
+        mask = (valid[:, None] & (key[None, :] <= positions[:, None]))[:, None, None, :]
         s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("kgrb,sbkd->kgrsd", p.astype(q.dtype), blk[:, :, 1],
+        pv = jnp.einsum("rkgb,rbkd->rkgd", p.astype(q.dtype), blk[:, :, 1],
                         preferred_element_type=f32, precision=prec)
-        pv = jnp.take_along_axis(pv, own, axis=3)[:, :, :, 0]
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+        return m_new, l * alpha + rowsum(p), acc * alpha[..., None] + pv
 
-    init = (jnp.full((kvh, g, rows), NEG, f32), jnp.zeros((kvh, g, rows), f32),
-            jnp.zeros((kvh, g, rows, d), f32))
+    init = (jnp.full((rows, kvh, g), NEG, f32), jnp.zeros((rows, kvh, g), f32),
+            jnp.zeros((rows, kvh, g, d), f32))
     _, l, acc = jax.lax.fori_loop(0, needed, step, init)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    o = jnp.where(valid[None, None, :, None], o, 0.0).astype(q.dtype)
-    return o.transpose(2, 0, 1, 3).reshape(rows, heads, d)
+    o = jnp.where(valid[:, None, None, None], o, 0.0).astype(q.dtype)
+    return o.reshape(rows, heads, d)
 
 
 def reference(kv, q, positions, cu_seqlens, page_table, *, scale: float):

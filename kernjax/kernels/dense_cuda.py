@@ -33,6 +33,10 @@ from kernjax.kernels import ffi  # noqa: F401  (registers the extension's handle
 D = 128
 _NORM = ("convert_element_type mul reduce_sum broadcast_in_dim div add rsqrt mul "
          "convert_element_type broadcast_in_dim mul")
+# The same norm with its mean as `reduce.rowmean` (a fixed-order sum off CUDA, XLA's mean on CUDA,
+# which the kernels implement): `platform_index cond` in the mean's place.
+_NORM_ROWMEAN = ("convert_element_type mul platform_index cond add rsqrt mul "
+                 "convert_element_type broadcast_in_dim mul")
 _ROT = "slice slice mul neg concatenate mul add"
 _SHAPES = {  # the primitives of each body the kernels implement, in order
     "q_norm": "slice reshape " + _NORM,
@@ -56,7 +60,21 @@ def _body(eqn: jex.JaxprEqn, kind: str) -> jex.ClosedJaxpr | None:
     body = eqn.params["jaxpr"]
     shape = " ".join(e.primitive.name for e in body.jaxpr.eqns)
     bf16 = all(v.aval.dtype == jnp.bfloat16 for v in eqn.outvars)
-    return body if shape == _SHAPES[kind] and bf16 else None
+    known = shape == _SHAPES[kind] or (
+        _NORM in _SHAPES[kind] and shape == _SHAPES[kind].replace(_NORM, _NORM_ROWMEAN)
+        and _cuda_mean(body))
+    return body if known and bf16 else None
+
+
+def _cuda_mean(body) -> bool:
+    """Whether the body's mean is XLA's reduce on CUDA (`reduce.rowmean`'s cuda branch)."""
+    cond = next(e for e in body.jaxpr.eqns if e.primitive.name == "cond")
+    plats = cond.params.get("branches_platforms") or ()
+    at = next((k for k, p in enumerate(plats) if p and "cuda" in p), None)
+    if at is None:
+        return False
+    names = [e.primitive.name for e in cond.params["branches"][at].jaxpr.eqns]
+    return names == ["reduce_sum", "broadcast_in_dim", "div"]
 
 
 def _eps(body) -> float:

@@ -1,7 +1,9 @@
 """The chain gate: the whole program and a cut's stages on the same prompts, compared bitwise.
 
-Both run every prompt chunk by chunk; after every chunk the last stage's `logits` and `tokens`
-must equal the whole program's byte for byte. kern's `pp_chain`, in one process.
+Both run every prompt chunk by chunk, through each program of the cut (prefill, score, decode
+steps); after every chunk and every step each output of the last stage (tokens, logits,
+log-probabilities) must equal the whole program's byte for byte. kern's `pp_chain`, in one
+process.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 
 from kernjax.core import lowering
 from kernjax.core.cut import counted
-from kernjax.runtime.pipeline import Pipeline
+from kernjax.runtime.pipeline import Pipeline, decode_program
 
 
 def differing_bytes(a, b) -> int:
@@ -26,31 +28,47 @@ def differing_bytes(a, b) -> int:
 
 
 def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *, chunk: int,
-          say: Callable[[str], None] = print) -> bool:
-    """Runs every prompt through both; says one line per prompt; True when all are identical.
-    Refuses (a ValueError naming the knob) a whole program exported with other kernels than the
-    stages: they would be compared against another program."""
+          say: Callable[[str], None] = print, steps: int = 4) -> bool:
+    """Runs every prompt through both, in each program of the cut: prefill chunk by chunk, score
+    chunk by chunk (where the cut has a score program) and `steps` decode steps after it (where
+    the cut has decode programs and the context has room); says one line per prompt; True when
+    every output of every run is identical. Refuses (a ValueError naming the knob) a whole program exported with other kernels
+    than the stages: they would be compared against another program."""
     why = lowering.refusal(f"`{whole.runners[0].art.path}`", whole.runners[0].art.lowering,
                            f"`{split.runners[0].art.path}`", split.runners[0].art.lowering)
     if why:
         raise ValueError(why)
     ok = True
+    shape = whole.shape
     for n, prompt in enumerate(prompts):
-        whole.reset()
-        split.reset()
-        diff = chunks = 0
-        first = None
-        for w, s in zip(whole.prefill(prompt, chunk=chunk), split.prefill(prompt, chunk=chunk),
-                        strict=True):  # a pipeline that stops early is an error, not a pass
-            chunks += 1
-            d = sum(differing_bytes(w[k], s[k]) for k in ("logits", "next_token"))
-            if d and first is None:
-                first = chunks
-            diff += d
-        line = f"prompt {n}: {counted(len(prompt), 'token')}, {counted(chunks, 'chunk')}: "
+        runs = [("prefill", lambda p: p.prefill(prompt, chunk=chunk))]
+        if "score" in whole.programs:
+            runs.append(("score", lambda p: p.score(prompt, chunk=chunk)))
+        room = shape.context - len(prompt)
+        pages = shape.pages - 1 - -(-(len(prompt) + min(steps, room)) // shape.page)
+        if steps and room > 0 and pages >= 0 and decode_program(whole.programs, 1):
+            runs.append(("decode", lambda p: p.generate(prompt, max_tokens=min(steps, room),
+                                                         chunk=chunk)))
+        diff, first, counts = 0, None, {}
+        for what, go in runs:
+            whole.reset()
+            split.reset()
+            k = 0
+            # strict: a pipeline that stops early is an error, not a pass
+            for w, s in zip(go(whole), go(split), strict=True):
+                k += 1
+                d = sum(differing_bytes(w[key], s[key]) for key in sorted(w))
+                if d and first is None:
+                    first = f"{what} {'step' if what == 'decode' else 'chunk'} {k}"
+                diff += d
+            counts[what] = k
+        line = (f"prompt {n}: {counted(len(prompt), 'token')}, "
+                f"{counted(counts['prefill'], 'chunk')}"
+                + (f", {counted(counts['decode'], 'decode step')}" if "decode" in counts else "")
+                + ": ")
         if diff:
             ok = False
-            say(line + f"DIFFERENT ({diff} bytes differ, first at chunk {first})")
+            say(line + f"DIFFERENT ({diff} bytes differ, first at {first})")
         else:
             say(line + "IDENTICAL")
     say(f"PASS: {counted(len(prompts), 'prompt')} bitwise identical" if ok else

@@ -47,7 +47,7 @@ def checkpoint_dir(ref: dict, where: str | Path = "the artifact") -> Path:
 
 def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = None) -> dict:
     """The artifact's weights from `ckpt`, cast to its dtype; `cache` shares tensors between stages."""
-    want = [(s.name, s.shape, s.dtype) for s in art.inputs if s.role == "weight"]
+    want = [(s.name, s.shape, s.dtype) for s in art.bound if s.role == "weight"]
     cache = {} if cache is None else cache
     miss = [w for w in want if (str(ckpt), w[0], w[2]) not in cache]
     fallbacks = art.manifest["model"].get("fallbacks")
@@ -63,14 +63,15 @@ def load_weights(art: artifacts.Artifact, ckpt: Path, *, cache: dict | None = No
 
 
 class Runner:
-    """One stage on one device: bound weights, owned states, one jitted program."""
+    """One stage on one device: bound weights, owned states, its programs jitted (the default
+    at once, the others when first run)."""
 
     def __init__(self, art: artifacts.Artifact, weights: Mapping[str, np.ndarray], *,
                  device: jax.Device | None = None):
         self.art = art
         self.device = device or jax.devices()[0]
         errs = []
-        for s in art.inputs:
+        for s in art.bound:
             if s.role != "weight":
                 continue
             w = weights.get(s.name)
@@ -83,34 +84,54 @@ class Runner:
             raise StageError(f"stage {art.index} (`{art.path}`) cannot bind its weights:\n"
                              + "\n".join(f"  - {e}" for e in errs))
         self.weights = {s.name: jax.device_put(weights[s.name], self.device)
-                        for s in art.inputs if s.role == "weight"}
+                        for s in art.bound if s.role == "weight"}
         self.states = {}
         self.reset()
-        donate = tuple(i for i, s in enumerate(art.inputs) if s.role == "state")
-        specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
-                 for s in (*art.inputs, *art.arrivals)]
-        tok = [s for s in art.outputs if s.name == "next_token"]
-        self.ring = (tokens.ring(int(np.prod(tok[0].shape)), self.device)
-                     if tok and tokens.TokenRing.usable(self.device) else None)
-        self.fn = self._compile(art.exported, specs, [s.name for s in (*art.departures,
-                                                                       *art.outputs)], donate)
-        self.donate, self.edged = donate, None
+        self.fns: dict[str, object] = {}  # a program file -> its compiled executable
+        self.edged = None
+        self.ring = None  # where the default program publishes its tokens (`tokens.TokenRing`)
+        self.fn = self.compiled()
 
-    def _compile(self, exported, specs, names, donate):
+    def compiled(self, program: str = artifacts.DEFAULT):
+        """Program `program`'s executable, compiled at its first use (programs of one file,
+        one executable)."""
+        p = self.program(program)
+        if p.file not in self.fns:
+            specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype))
+                     for s in (*p.inputs, *p.arrivals)]
+            donate = tuple(i for i, s in enumerate(p.inputs) if s.role == "state")
+            self.fns[p.file] = self._compile(p, p.exported, specs,
+                                             [s.name for s in (*p.departures, *p.outputs)], donate)
+        return self.fns[p.file]
+
+    def program(self, name: str) -> artifacts.Program:
+        p = self.art.programs.get(name)
+        if p is None:
+            raise StageError(f"stage {self.art.index} (`{self.art.path}`) has no program "
+                             f"`{name}`; it has {', '.join(self.art.programs)}: re-cut with this "
+                             "kernjax")
+        return p
+
+    def _compile(self, p, exported, specs, names, donate):
         """`exported` compiled for this stage: its states donated, `next_token` (of its outputs
         `names`) published to the host by the program (`kernjax.runtime.tokens`), CUDA graphs by its
         rows."""
         call, leaf = exported.call, None
-        if self.ring is not None:
+        tok = [s for s in p.outputs if s.name == "next_token"]
+        ring = (tokens.ring(int(np.prod(tok[0].shape)), self.device)
+                if tok and tokens.TokenRing.usable(self.device) else None)
+        if ring is not None:
+            if p.name == self.art.default.name:
+                self.ring = ring
             leaf = names.index("next_token")
-            call, specs = self.ring.wrap(call, leaf), [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
+            call, specs = ring.wrap(call, leaf), [*specs, jax.ShapeDtypeStruct((1,), np.int32)]
         fn = jax.jit(call, donate_argnums=donate).lower(*specs).compile(
-            xla.compile_options(self.art.item.rows))
-        return fn if leaf is None else tokens.Published(fn, self.ring, leaf)
+            xla.compile_options(p.item.rows))
+        return fn if leaf is None else tokens.Published(fn, ring, leaf)
 
     def reset(self) -> None:
         """Zeroes every state."""
-        for s in self.art.inputs:
+        for s in self.art.bound:
             if s.role == "state":
                 self.states[s.name] = jax.device_put(np.zeros(s.shape, ckpts.np_dtype(s.dtype)),
                                                      self.device)
@@ -118,29 +139,33 @@ class Runner:
     def memory(self) -> dict[str, int | None]:
         """Bytes the stage needs (weights, states), the device's peak so far (None where the
         allocator keeps no count), and what its program holds at once (XLA's memory analysis)."""
-        need = lambda role: int(sum(s.nbytes for s in self.art.inputs if s.role == role))  # noqa: E731
+        need = lambda role: int(sum(s.nbytes for s in self.art.bound if s.role == role))  # noqa: E731
         stats = self.device.memory_stats() if hasattr(self.device, "memory_stats") else None
-        m = (self.edged or self.fn).memory_analysis()
+        m = (self.edged or self.fn).memory_analysis()  # the default program's
         return {"weights": need("weight"), "states": need("state"),
                 "peak": (stats or {}).get("peak_bytes_in_use"),
                 "program": int(m.argument_size_in_bytes + m.output_size_in_bytes
                                - m.alias_size_in_bytes + m.temp_size_in_bytes)}
 
-    def warm(self) -> None:
-        """Compiles by running an empty item: every row is padding, so no state changes."""
-        arrivals = [np.zeros(s.shape, ckpts.np_dtype(s.dtype)) for s in self.art.arrivals]
-        jax.block_until_ready(self.run(make_item([], self.art.item), arrivals))
+    def warm(self, programs: Sequence[str] = (artifacts.DEFAULT,)) -> None:
+        """Compiles `programs` by running an empty item through each: every row is padding, so
+        no state changes."""
+        for name in programs:
+            p = self.program(name)
+            arrivals = [np.zeros(s.shape, ckpts.np_dtype(s.dtype)) for s in p.arrivals]
+            jax.block_until_ready(self.run(make_item([], p.item), arrivals, program=name))
 
-    def run(self, item: Mapping[str, np.ndarray], arrivals: Sequence[jax.Array] = ()
-            ) -> tuple[list[jax.Array], dict[str, jax.Array]]:
-        """Runs one item; returns the departures and the non-state outputs by name."""
-        art = self.art
-        if len(arrivals) != len(art.arrivals):
-            raise StageError(f"stage {art.index} takes {len(art.arrivals)} arrivals, got "
-                             f"{len(arrivals)}")
-        out = self.fn(*self._args(item), *arrivals)
-        nd = len(art.departures)
-        return list(out[:nd]), self._keep(out[nd:])
+    def run(self, item: Mapping[str, np.ndarray], arrivals: Sequence[jax.Array] = (), *,
+            program: str = artifacts.DEFAULT) -> tuple[list[jax.Array], dict[str, jax.Array]]:
+        """Runs one item through `program`; returns the departures and the non-state outputs by
+        name."""
+        art, p = self.art, self.program(program)
+        if len(arrivals) != len(p.arrivals):
+            raise StageError(f"stage {art.index} takes {len(p.arrivals)} arrivals in program "
+                             f"`{program}`, got {len(arrivals)}")
+        out = self.compiled(program)(*self._args(item, p), *arrivals)
+        nd = len(p.departures)
+        return list(out[:nd]), self._keep(out[nd:], p)
 
     def run_edged(self, item: Mapping[str, np.ndarray], k: int
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
@@ -148,8 +173,8 @@ class Runner:
         from, its departures go to the edges this process has bound. Returns at once: the
         non-state outputs, and a token that is ready when the item has run, its edge ops too."""
         self.compile_edged()
-        out = self.edged(*self._args(item), np.asarray([k], np.int32))
-        return self._keep(out[:-1]), out[-1]
+        out = self.edged(*self._args(item, self.art.default), np.asarray([k], np.int32))
+        return self._keep(out[:-1], self.art.default), out[-1]
 
     def compile_edged(self) -> None:
         """Compiles the program with edge ops (once), without running it: running it would wait
@@ -161,12 +186,13 @@ class Runner:
                                  "ops: re-cut it with this kernjax")
             specs = [jax.ShapeDtypeStruct(s.shape, ckpts.np_dtype(s.dtype)) for s in art.inputs]
             specs.append(jax.ShapeDtypeStruct((1,), np.int32))
-            self.edged = self._compile(art.edged, specs, [s.name for s in art.outputs] + ["-"],
-                                       self.donate)
+            donate = tuple(i for i, s in enumerate(art.inputs) if s.role == "state")
+            self.edged = self._compile(art.default, art.edged, specs,
+                                       [s.name for s in art.outputs] + ["-"], donate)
 
-    def _keep(self, out) -> dict[str, jax.Array]:
+    def _keep(self, out, p: artifacts.Program) -> dict[str, jax.Array]:
         outputs = {}
-        for s, v in zip(self.art.outputs, out):
+        for s, v in zip(p.outputs, out, strict=True):
             if s.role == "state":
                 self.states[s.name] = v
             else:
@@ -176,9 +202,9 @@ class Runner:
             tok.copy_to_host_async()  # ready, no round trip
         return outputs
 
-    def _args(self, item: Mapping[str, np.ndarray]) -> list:
+    def _args(self, item: Mapping[str, np.ndarray], p: artifacts.Program) -> list:
         art, args = self.art, []
-        for s in art.inputs:
+        for s in p.inputs:
             if s.role == "weight":
                 args.append(self.weights[s.name])
             elif s.role == "state":
@@ -189,7 +215,7 @@ class Runner:
                     raise StageError(f"stage {art.index}: the item has no `{s.name}`")
                 if tuple(x.shape) != s.shape or str(x.dtype) != s.dtype:
                     raise StageError(f"stage {art.index}: `{s.name}` is {x.dtype}{list(x.shape)};"
-                                     f" the program takes {s.dtype}{list(s.shape)}")
+                                     f" program `{p.name}` takes {s.dtype}{list(s.shape)}")
                 args.append(x)
         return args
 

@@ -1,4 +1,4 @@
-"""The head: stage 0, the only page pool, admission, packing, and the pipeline's bookkeeping.
+"""The head: stage 0, the only page pool, admission, batching, and the pipeline's bookkeeping.
 
 Startup (kern-serve PP3): the head loads stage 0 and listens on `--pp_listen`; every other stage
 connects and says Hello {stage, stages, cut, pages, listen, arrivals, departures, fills,
@@ -9,14 +9,29 @@ anything that is not a Hello in time; once all stages are in (`join`, while `wai
 which are missing and requests get a 503) it sizes its pool to the fewest pages any stage holds,
 answers each with a Table {pages, next} and connects to stage 1.
 
-Serving: `submit` admits a prompt or refuses it at once with the limit it breaks (kern's head
-wedged on a prompt past its context bound). The scheduler thread leases pages FIFO under
-`max_seqs`, packs items with `pack()` (oldest first, partial chunks), sends each item's fills to
-every stage, runs stage 0 and sends its departures on; on an edge, or serving the whole program,
-it issues the next item while a thread (`_finish`) waits for this one. A full item goes at once, a
-partial one once fewer items than stages are in flight, or as many if it holds all there is to
-issue (docs/serving.md); at most `4 × stages` are in flight (back-pressure). The last stage answers
-every item with its tokens; an item that finishes a prompt answers it and frees its pages.
+Serving: `start` admits a request (its prompts, each `n` sequences) or refuses it at once with
+the limit it breaks (kern's head wedged on a prompt past its context bound). A sequence is a
+prompt and the tokens it generates. The scheduler thread leases a prompt's pages FIFO under
+`max_seqs`, and builds each item with `batch.plan`: the one-row steps of generating sequences
+(a prompt's last token is its first step) beside the prompts' next rows, packed by `pack()`; the
+item's program is a decode bucket, the prefill chunk, or the score chunk where a prompt is being
+scored (`echo` with log-probabilities). It sends each item's program and fills to every stage,
+runs stage 0 and sends its departures on; on an edge, or serving the whole program, it issues the
+next item while a thread (`_finish`) waits for this one. An item of prompt rows only goes at once
+when full, else once fewer items than stages are in flight, or as many if it holds all there is
+to issue (docs/serving.md); an item with steps goes at once; at most `4 x stages` are in flight
+(back-pressure). The last stage answers every item with its outputs (tokens, log-probabilities,
+row scores); each answered step appends its sequence's token, which ends the sequence on a stop
+token or at `max_tokens`.
+
+Pages grow with a sequence, a page at a time (`Pool.grow`); a step that finds no page free waits,
+and when nothing is in flight to free one, the newest generating sequence is preempted: its pages
+go back and it is recomputed later from its tokens so far (the same bits: a row's arithmetic does
+not depend on its item). Nothing admitted is lost. A sequence whose client has gone is dropped at
+its next step.
+
+The device transports (`shm`, `ipc`, `nccl`) carry the prefill program's activations only: there
+steps go in the prefill chunk and scoring is refused.
 
 Faults: a stage whose connection closes, that sends an ERROR, or that answers no ping for
 `stage_timeout` seconds ends the head: every request in flight or queued is answered with a 503
@@ -38,11 +53,13 @@ from collections import deque
 
 import numpy as np
 
+from kernjax import artifact
 from kernjax.core import lowering
-from kernjax.core.item import Piece, make_item
+from kernjax.core.batch import plan as plan_item
+from kernjax.core.item import GREEDY, Piece, make_item
 from kernjax.core.pool import Pool
 from kernjax.runtime.runner import Runner
-from kernjax.core.pack import Waiting, admissible, full, pack
+from kernjax.core.pack import Waiting, admissible, full
 from kernjax.serve.protocol import (MAX_FRAME, PING_MIN, Closed, Conn, ProtocolError, connect,
                                     handshakes, parse_address)
 from kernjax.runtime import edge
@@ -62,26 +79,75 @@ class Refused(Exception):
         self.status = status
 
 
-@dataclasses.dataclass
-class _Request:
-    tokens: np.ndarray
-    future: cf.Future
-    arrived: float
-    lease: object = None
-    pos: int = 0
-    gone: object = None   # () -> True once the client has gone (its connection closed)
+@dataclasses.dataclass(frozen=True)
+class Ask:
+    """What a request asks of each of its prompts: `max_tokens` tokens generated (0: the prompt
+    is scored only), drawn with `sampling` (temperature, top_p, top_k, min_p) and the counter
+    key (`seed`, choice, step), `n` sequences a prompt, ending at a token of `stop_ids`;
+    `score`: the prompt's own log-probabilities (`echo`)."""
+
+    max_tokens: int = 1
+    sampling: tuple = GREEDY
+    seed: int = 0
+    n: int = 1
+    stop_ids: frozenset = frozenset()
+    score: bool = False
+
+
+class Seq:
+    """One sequence: its tokens (the prompt, then what it generated), where its rows stand, its
+    lease, and where its events go (`emit(kind, data)`: `prompt`, `token`, `done`, `error`)."""
+
+    def __init__(self, tokens, ask: Ask, choice: int, emit, gone, arrived: float, step: bool):
+        self.tokens = [int(t) for t in tokens]
+        self.prompt, self.ask, self.choice = len(self.tokens), ask, choice
+        self.emit, self.gone, self.arrived = emit, gone, arrived
+        self.step = step        # the last known token goes as a one-row step (else in a chunk)
+        self.pos = 0            # rows issued: their keys and values are written or in flight
+        self.made = 0           # tokens generated
+        self.lease = None
+        self.inflight = 0       # its pieces in items not answered yet
+        self.scores: list | None = [] if ask.score else None  # the prompt's rows, by chunk
+        self.ended = False
+        self.cancelled = False  # set by the client's side: a stop string ended it, say
+        self.first: float | None = None
+
+    @property
+    def scoring(self) -> bool:
+        """Whether its prompt rows still go through the score program."""
+        return self.ask.score and self.made == 0 and self.pos < self.prompt - 1
+
+    def chunk_end(self) -> int:
+        """Rows that go in chunks: all but the last known token's, which is the step's."""
+        n = len(self.tokens)
+        if self.ask.max_tokens == 0:
+            return self.prompt - 1
+        return n - 1 if self.step else n
+
+    def left(self) -> int:
+        return max(self.chunk_end() - self.pos, 0)
+
+    def ready(self) -> bool:
+        """Whether its step can go: its chunks are out (items run in order on every stage) and
+        its last token is known, its row not issued."""
+        return (not self.ended and self.ask.max_tokens > 0
+                and self.made < self.ask.max_tokens and self.pos == len(self.tokens) - 1
+                and (self.step or self.made > 0))
+
+    def scored(self) -> int:
+        """Prompt rows whose scores have come back."""
+        return sum(len(c[0]) for c in self.scores or ())
 
     def abandoned(self) -> bool:
         try:
-            return bool(self.gone and self.gone())
+            return self.cancelled or bool(self.gone and self.gone())
         except Exception:  # noqa: BLE001 (a broken check never stops the scheduler)
             return False
 
-    def settle(self, result=None, error: Exception | None = None) -> None:
-        """Answers the request; a future its caller cancelled has no one to answer."""
+    def say(self, kind: str, data=None) -> None:
         try:
-            self.future.set_exception(error) if error else self.future.set_result(result)
-        except cf.InvalidStateError:
+            self.emit(kind, data)
+        except Exception:  # noqa: BLE001 (a client's callback never stops the scheduler)
             pass
 
 
@@ -102,9 +168,10 @@ class Head:
         self.metrics = metrics
         self.on_exit = on_exit or (lambda code: os._exit(code))
         self.cond = threading.Condition()
-        self.queue: deque[_Request] = deque()
-        self.live: list[_Request] = []        # leased, rows still to issue
-        self.inflight: deque[tuple[int, list]] = deque()  # (item, [(request, finishes)])
+        self.queue: deque[Seq] = deque()     # admitted requests' sequences, not yet leased
+        self.live: list[Seq] = []             # leased: rows to issue, steps to take
+        self.inflight: deque[tuple[int, str, list]] = deque()  # (item, program, [entries])
+        self.preemptions = 0
         self._ran: queue.Queue = queue.Queue()  # issued, for `_finish`: (item, rows, t0, tokens)
         self.failed: str | None = None
         self.joining: str | None = None       # while stages join: which are missing
@@ -227,7 +294,11 @@ class Head:
                 f"stage {s}", hello["lowering"], "the head (stage 0)", self.art.lowering)):
             return why
         if hello.get("cut") != self.art.cut_id:
-            return (f"stage {s} belongs to cut `{hello.get('cut')}`; the head serves cut "
+            theirs, mine = hello.get("programs"), list(self.art.programs)
+            differ = (f" (its programs are {', '.join(map(str, theirs))}; the head's "
+                      f"{', '.join(mine)})" if isinstance(theirs, list) and theirs != mine
+                      else "")
+            return (f"stage {s} belongs to cut `{hello.get('cut')}`{differ}; the head serves cut "
                     f"`{self.art.cut_id}`: start every stage from one `kernjax cut --out`")
         if type(s) is not int or not 1 <= s < self.stages or hello.get("stages") != self.stages:
             return (f"a Hello from stage {s!r} of {hello.get('stages')!r} stages; this cut has "
@@ -264,27 +335,93 @@ class Head:
 
     # --- requests ---------------------------------------------------------------------------
 
+    @property
+    def programs(self) -> dict:
+        """The programs items may run: every program of the cut on the host transport and
+        serving the whole program; the prefill chunk alone on a device transport."""
+        if self.stages > 1 and self.transport != "host":
+            return {artifact.DEFAULT: self.art.default}
+        return self.art.programs
+
+    @property
+    def buckets(self) -> list[int]:
+        return sorted(int(n[6:]) for n in self.programs if n.startswith("decode")
+                      and n[6:].isdigit())
+
+    def refusal(self, prompts, ask: Ask) -> str | None:
+        """Why these prompts cannot be served as `ask` says, or None."""
+        sh = self.shape
+        if ask.score and "score" not in self.programs:
+            return ("this pipeline cannot score prompts: " + (
+                f"its --transport {self.transport} carries the prefill program only; serve with "
+                "--transport host" if "score" in self.art.programs else
+                "its cut has no score program; re-cut it with this kernjax"))
+        for i, p in enumerate(prompts):
+            at = f"prompt {i}: " if len(prompts) > 1 else ""
+            need = len(p) + max(ask.max_tokens - 1, 0)
+            why = admissible(len(p), rows=sh.rows, seqs=sh.seqs, context=self._context)
+            if not why and (w := self.pool.fits(need)):
+                why = w if need == len(p) else (
+                    f"the prompt has {len(p)} tokens and max_tokens is {ask.max_tokens}, "
+                    f"{need} tokens in the sequence; {w.split('; ', 1)[-1]}")
+            if why:
+                return at + why
+        return None
+
+    def start(self, prompts, ask: Ask = Ask(), emit=None, gone=None) -> list[Seq]:
+        """Admits `prompts` (token-id arrays), `ask.n` sequences each, or refuses them all with
+        `Refused`. `emit(index, kind, data)` gets each sequence's events, `index` = prompt x n +
+        choice: `prompt` (its prompt's scores), `token` (each token generated), `done` (the
+        finish reason), `error` (a `Refused`); `gone()` says when the client has left. Returns
+        the sequences, in that order (`Seq.cancelled` ends one early)."""
+        why = self.refusal(prompts, ask)
+        now = time.time()
+        step = bool(self.buckets) and (ask.max_tokens > 0)
+        with self.cond:
+            if self.failed:
+                raise Refused(503, self.failed)
+            if why:
+                raise Refused(400, why)
+            made = []
+            for i, p in enumerate(prompts):
+                for c in range(ask.n):
+                    k = i * ask.n + c
+                    say = (lambda k: lambda kind, data: emit(k, kind, data))(k) if emit else \
+                        (lambda kind, data: None)
+                    made.append(Seq(p, ask, c, say, gone, now, step))
+            for r in made:
+                if len(r.tokens) == 1 and ask.max_tokens == 0:  # nothing to run: no row scores
+                    r.say("prompt", _prompt_scores(r))  # no row to run: its scores are none
+                    self._end(r, "length", now)
+                else:
+                    self.queue.append(r)
+            self.cond.notify_all()
+        return made
+
     def submit(self, tokens, gone=None) -> cf.Future:
-        """Queues a prompt; the future gives `(first token, seconds)` or raises `Refused`."""
+        """Queues a prompt for its first token; the future gives `(token, seconds)` or raises
+        `Refused`."""
         return self.submit_all([tokens], gone)[0]
 
     def submit_all(self, prompts, gone=None) -> list[cf.Future]:
-        """Queues prompts, each its own sequence, or refuses them all at once. While `gone()`
-        says the client has gone, a prompt not yet packed is dropped: `Refused(499)`."""
+        """Queues prompts for their first token each (`submit`), or refuses them all at once.
+        While `gone()` says the client has gone, a prompt not yet packed is dropped:
+        `Refused(499)`."""
         futs = [cf.Future() for _ in prompts]
-        sh = self.shape
-        why = next((f"prompt {i}: {w}" if len(prompts) > 1 else w for i, p in enumerate(prompts)
-                    if (w := self.pool.fits(len(p)) or admissible(
-                        len(p), rows=sh.rows, seqs=sh.seqs, context=self._context))), None)
-        with self.cond:
-            error = Refused(503, self.failed) if self.failed else Refused(400, why) if why else None
-            for fut, p in zip(futs, prompts):
-                if error:
-                    fut.set_exception(error)
-                else:
-                    self.queue.append(_Request(np.asarray(p, np.int32), fut, time.time(),
-                                              gone=gone))
-            self.cond.notify_all()
+        got: dict[int, int] = {}
+
+        def emit(k, kind, data):
+            if kind == "token":
+                got[k] = data["id"]
+            elif kind == "done":
+                _settle(futs[k], (got[k], data["seconds"]))
+            elif kind == "error":
+                _settle(futs[k], error=data)
+        try:
+            self.start(prompts, Ask(), emit, gone)
+        except Refused as e:
+            for f in futs:
+                f.set_exception(e)
         return futs
 
     # --- the scheduler ----------------------------------------------------------------------
@@ -297,85 +434,154 @@ class Head:
                         self.cond.wait(0.5)
                     if self.failed:
                         return
-                    plan = self._plan
-                    item, pieces = self._take(plan)
-                self._issue(item, pieces)
+                    k, program, pieces = self._take(self._plan)
+                self._issue(k, program, pieces)
         except Exception as e:  # noqa: BLE001 (any scheduler error ends the head, with a reason)
             self.fail(f"the head's scheduler failed: {type(e).__name__}: {e}")
 
-    def _admit_and_plan(self) -> bool:
-        gone = Refused(499, "the client closed the connection before its prompt was packed")
-        for r in [r for r in self.live if r.pos == 0 and r.abandoned()]:
-            self.live.remove(r)
+    def _drop(self, r: Seq, why: Refused) -> None:
+        if r.lease is not None:
             self.pool.release(r.lease)
-            r.settle(error=gone)
-        while self.queue and len(self.live) + self._awaiting() < self.max_seqs:
-            if self.queue[0].abandoned():
-                self.queue.popleft().settle(error=gone)
+            r.lease = None
+        r.ended = True
+        r.say("error", why)
+
+    def _admit_and_plan(self) -> bool:
+        # A sequence dropped with items in flight is safe to free: every stage runs items in
+        # order, so what it writes is written before any later item reuses its pages.
+        gone = Refused(499, "the client closed the connection")
+        for r in [r for r in self.live if r.abandoned()]:
+            self.live.remove(r)
+            self._drop(r, gone)
+        while self.queue and len(self.live) < self.max_seqs:
+            r = self.queue[0]
+            if r.abandoned():
+                self._drop(self.queue.popleft(), gone)
                 continue
-            lease = self.pool.lease(len(self.queue[0].tokens))
+            need = max(r.chunk_end(), 1)
+            # a page kept free for each running sequence's next step: a sequence admitted into
+            # the last free pages would starve the running ones (and, preempted, come back)
+            if -(-need // self.pool.page) + len(self.live) > self.pool.free:
+                break
+            lease = self.pool.lease(need)
             if lease is None:
                 break
-            r = self.queue.popleft()
+            self.queue.popleft()
             r.lease = lease
             self.live.append(r)
         if self.metrics:
-            self.metrics.pages.set(self.pool.in_use)
-            self.metrics.slots.set(self.pool.slots_in_use)
+            self._gauges()
         if len(self.inflight) >= 4 * self.stages:
             return False
-        waiting = [Waiting(i, r.pos, len(r.tokens) - r.pos) for i, r in enumerate(self.live)]
+        ready = [r for r in self.live if r.ready() and self._room(r)]
+        generating = sum(1 for r in self.live if r.made > 0 or r.left() == 0)
+        waiting = [Waiting(i, r.pos, r.left()) for i, r in enumerate(self.live)]
         sh = self.shape
-        plan = pack(waiting, rows=sh.rows, seqs=sh.seqs, context=self._context)
-        if plan and (full(plan, rows=sh.rows, seqs=sh.seqs) or len(self.inflight) < self.stages
-                     or len(self.inflight) == self.stages and not self.queue  # all there is
-                     and sum(n for _, n in plan) == sum(w.left for w in waiting)):
-            self._plan = plan
-            return True
-        return False
+        p = plan_item([r.pos for r in ready], generating, waiting, rows=sh.rows, seqs=sh.seqs,
+                      context=self._context, buckets=self.buckets, stages=self.stages)
+        if p is None:
+            if not self.inflight and any(r.ready() for r in self.live):
+                self._preempt()  # steps wait for pages that nothing in flight will free
+            return False
+        pieces = [(i, n) for i, n in p.pieces]
+        if not p.steps and not (full(pieces, rows=sh.rows, seqs=sh.seqs)
+                                or len(self.inflight) < self.stages
+                                or len(self.inflight) == self.stages and not self.queue
+                                and sum(n for _, n in pieces) == sum(w.left for w in waiting)):
+            return False
+        self._plan = ([ready[i] for i in p.steps], [(self.live[i], n) for i, n in p.pieces],
+                      p.bucket)
+        return True
 
-    def _awaiting(self) -> int:
-        return sum(f for _, ps in self.inflight for _, f in ps)
+    def _room(self, r: Seq) -> bool:
+        """Whether `r`'s lease holds its next step's row, grown a page if it must be."""
+        grown = self.pool.grow(r.lease, len(r.tokens))
+        if grown is None:
+            return False
+        r.lease = grown
+        return True
+
+    def _preempt(self) -> None:
+        """Frees the pages of the newest sequence not in flight: it goes back to the queue's
+        front and is recomputed from its tokens when pages allow. (One sequence alone always
+        fits the pool: admission checked it.)"""
+        cands = [r for r in self.live if not r.inflight]
+        if len(self.live) < 2 or not cands:
+            return
+        r = cands[-1]
+        self.live.remove(r)
+        self.pool.release(r.lease)
+        r.lease, r.pos = None, 0
+        if r.scores is not None:  # its prompt is scored again from the start
+            r.scores = []
+        self.queue.appendleft(r)
+        self.preemptions += 1
+        if self.metrics:
+            self.metrics.preemptions.inc()
+
+    def _gauges(self) -> None:
+        self.metrics.pages.set(self.pool.in_use)
+        self.metrics.slots.set(self.pool.slots_in_use)
+        self.metrics.running.set(len(self.live))
+        self.metrics.waiting.set(len(self.queue))
 
     def _take(self, plan):
+        steps, chunks, bucket = plan
         k, self.item = self.item, self.item + 1
-        pieces, ends = [], []
-        for i, n in plan:
-            r = self.live[i]
-            pieces.append(Piece(r.tokens[r.pos:r.pos + n], r.pos, r.lease.pages, r.lease.slot))
-            r.pos += n
-            ends.append((r, r.pos == len(r.tokens)))
-        self.live = [r for r in self.live if r.pos < len(r.tokens)]
-        self.inflight.append((k, ends))
-        return k, pieces
+        pieces, entries = [], []
+        scoring = any(r.scoring for r, _ in chunks)
+        program = f"decode{bucket}" if bucket else ("score" if scoring else artifact.DEFAULT)
+        for r in steps:  # entries: (seq, rows, emits, scored)
+            pieces.append(Piece(np.asarray(r.tokens[-1:], np.int32), r.pos, r.lease.pages,
+                                r.lease.slot, sampling=r.ask.sampling,
+                                rng=(r.ask.seed, r.choice, r.made)))
+            entries.append((r, 1, True, False))
+            r.pos += 1
+            r.inflight += 1
+        for r, n in chunks:
+            a, b = r.pos, r.pos + n
+            emits = b == len(r.tokens) and r.ask.max_tokens > 0
+            scored = scoring and r.scoring
+            pieces.append(Piece(np.asarray(r.tokens[a:b], np.int32), a, r.lease.pages,
+                                r.lease.slot, sampling=r.ask.sampling,
+                                rng=(r.ask.seed, r.choice, r.made),
+                                targets=np.asarray(r.tokens[a + 1:b + 1], np.int32) if scored
+                                else None))
+            entries.append((r, n, emits, scored))
+            r.pos = b
+            r.inflight += 1
+        self.inflight.append((k, program, entries))
+        return k, program, pieces
 
-    def _issue(self, k: int, pieces) -> None:
-        item = make_item(pieces, self.shape)
+    def _issue(self, k: int, program: str, pieces) -> None:
+        item = make_item(pieces, self.programs[program].item)
         rows = sum(len(p.tokens) for p in pieces)
         for s, conn in self.conns.items():
-            conn.send("ITEM", {"item": k, "rows": rows}, {n: item[n] for n in self.fills[s]})
+            conn.send("ITEM", {"item": k, "rows": rows, "program": program},
+                      {n: item[n] for n in self.fills[s] if n in item})
         t0 = time.time()
         if self.edge:  # the program pushes into stage 1's slot itself; `_finish` logs it
             self.runner.run_edged(item, k)
             return self._ran.put((k, rows, t0, None))
-        departures, outputs = self.runner.run(item)
+        departures, outputs = self.runner.run(item, program=program)
         if self.stages == 1:  # on to the next item while this one runs
-            self._ran.put((k, rows, t0, outputs["next_token"]))
+            self._ran.put((k, rows, t0, outputs))
         else:
             self.next.send(k, [np.asarray(d) for d in departures],
-                           {"busy_us": [int((time.time() - t0) * 1e6)]})
+                           {"busy_us": [int((time.time() - t0) * 1e6)]},
+                           slots=self.programs[program].departures)
             log_item(0, k, rows, t0, time.time())
 
     def _finish(self) -> None:
         """Waits for each issued item in order, off the scheduler's thread: on an edge, for item
         k to leave (stage 1's edge says it arrived: a load from shared memory, no driver call;
-        fails after the timeout); serving the whole program, for its tokens, and answers (an
+        fails after the timeout); serving the whole program, for its outputs, and answers (an
         item is busy from its issue or the end of the item before, whichever is later)."""
         last = 0.0
         try:
             while not self.failed:
                 try:
-                    k, rows, t0, tokens = self._ran.get(timeout=0.5)
+                    k, rows, t0, outputs = self._ran.get(timeout=0.5)
                 except queue.Empty:
                     continue
                 if self.edge and not edge.left(self.edge, k, self.edge_timeout,
@@ -384,35 +590,82 @@ class Head:
                         self.fail(f"stage 1 stopped taking items: item {k} waited "
                                   f"{self.edge_timeout:g} s for its slot (--stage_timeout)")
                     return
-                tokens = None if self.edge else np.asarray(tokens)
+                if outputs is not None:
+                    outputs = {n: np.asarray(v) for n, v in outputs.items() if n in ANSWER}
                 t1 = time.time()
                 log_item(0, k, rows, t0, t1)
-                if tokens is not None:
-                    self._answer(k, tokens, [int((t1 - max(t0, last)) * 1e6)], rows)
+                if outputs is not None:
+                    self._answer(k, outputs, [int((t1 - max(t0, last)) * 1e6)], rows)
                 last = t1
         except Exception as e:  # noqa: BLE001 (a failed item ends the head, with a reason)
             self.fail(f"the program failed: {type(e).__name__}: {e}")
 
-    def _answer(self, k: int, tokens: np.ndarray, busy_us: list[int], rows: int) -> None:
+    def _answer(self, k: int, out: dict, busy_us: list[int], rows: int) -> None:
         now = time.time()
         with self.cond:
             if self.failed:  # `fail` answers every request still in flight
                 return
             if not self.inflight or self.inflight[0][0] != k:
-                raise ProtocolError(f"tokens for item {k} arrived; item "
+                raise ProtocolError(f"outputs for item {k} arrived; item "
                                     f"{self.inflight[0][0] if self.inflight else None} was due")
-            _, ends = self.inflight.popleft()
-            for r, finished in ends:
-                if finished:
-                    self.pool.release(r.lease)
+            _, program, entries = self.inflight.popleft()
+            missing = [n for n in ("next_token",) + ("target_logprob",) * (program == "score")
+                       if n not in out]
+            if missing:
+                raise ProtocolError(f"item {k} ({program}) came back without {missing[0]}")
             if self.metrics:  # before any reply: a client that has its answer sees the pool back
                 self.metrics.item(rows, busy_us)
-                self.metrics.pages.set(self.pool.in_use)
-                self.metrics.slots.set(self.pool.slots_in_use)
-            for i, (r, finished) in enumerate(ends):
-                if finished:
-                    r.settle((int(tokens[i]), now - r.arrived))
+            at = 0
+            for i, (r, n, emits, scored) in enumerate(entries):
+                r.inflight -= 1
+                if scored and r.scores is not None:
+                    r.scores.append(tuple(np.asarray(out[name][at:at + n]) for name in
+                                          ("target_logprob", "row_top_ids", "row_top_logprobs")))
+                at += n
+                if r.ended:
+                    continue
+                if r.scores is not None and r.scored() >= r.prompt - 1:
+                    r.say("prompt", _prompt_scores(r))
+                    r.scores = None  # said
+                if emits:
+                    self._token(r, i, out, now)
+                elif r.ask.max_tokens == 0 and r.scores is None and not r.inflight:
+                    self._end(r, "length", now)
+            if self.metrics:
+                self._gauges()
             self.cond.notify_all()
+
+    def _token(self, r: Seq, i: int, out: dict, now: float) -> None:
+        t = int(out["next_token"][i])
+        r.tokens.append(t)
+        r.made += 1
+        if r.first is None:
+            r.first = now
+            if self.metrics:
+                self.metrics.ttft.observe(now - r.arrived)
+        elif self.metrics:
+            self.metrics.tpot.observe((now - r.first) / max(r.made - 1, 1))
+        data = {"id": t, "seconds": now - r.arrived}
+        if "logprob" in out:
+            data.update(logprob=float(out["logprob"][i]), top_ids=out["top_ids"][i].tolist(),
+                        top_logprobs=out["top_logprobs"][i].tolist())
+        r.say("token", data)
+        if self.metrics:
+            self.metrics.generated.inc()
+        if t in r.ask.stop_ids:
+            self._end(r, "stop", now)
+        elif r.made >= r.ask.max_tokens or len(r.tokens) >= self.shape.context:
+            self._end(r, "length", now)
+
+    def _end(self, r: Seq, reason: str, now: float) -> None:
+        r.ended = True
+        if r in self.live:
+            self.live.remove(r)
+        if r.lease is not None:
+            self.pool.release(r.lease)
+            r.lease = None
+        r.say("done", {"finish_reason": reason, "seconds": now - r.arrived,
+                       "tokens": r.made, "prompt_tokens": r.prompt})
 
     # --- stage connections ------------------------------------------------------------------
 
@@ -434,7 +687,7 @@ class Head:
                 if type(k) is not int or tokens is None or tokens.ndim != 1:
                     raise ProtocolError(f"stage {s} sent a TOKENS frame without an item number "
                                         f"and a next_token vector ({str(header)[:100]})")
-                self._answer(k, tokens, header.get("busy_us", []), header.get("rows", 0))
+                self._answer(k, dict(arrays), header.get("busy_us", []), header.get("rows", 0))
         except Exception as e:  # noqa: BLE001 (any error on a link ends the pipeline, at once)
             why = str(e) if isinstance(e, (Closed, ProtocolError)) else f"{type(e).__name__}: {e}"
             self.fail(why if why.startswith(f"stage {s}") else f"stage {s}: {why}")
@@ -461,7 +714,8 @@ class Head:
                 return
             self.failed, self.joining = message, None
             pending = list(self.queue) + list(self.live)
-            pending += [r for _, ends in self.inflight for r, f in ends if f]
+            pending += [r for _, _, es in self.inflight for r, *_ in es if r not in pending]
+            pending = [r for r in dict.fromkeys(pending) if not r.ended]
             self.queue.clear()
             self.live.clear()
             self.cond.notify_all()
@@ -469,10 +723,34 @@ class Head:
         print(f"error: head: {message}; answering {n} request{'s' * (n != 1)} with 503 and exiting",
               file=sys.stderr, flush=True)
         for r in pending:
-            r.settle(error=Refused(503, f"the pipeline failed: {message}"))
+            r.ended = True
+            r.say("error", Refused(503, f"the pipeline failed: {message}"))
         for conn in self.conns.values():
             try:
                 conn.send("ERROR", {"message": message})
             except Closed:
                 pass
         threading.Timer(1.0, self.on_exit, (1,)).start()
+
+
+# The outputs the head reads of an item (the last stage sends these, never the logits).
+ANSWER = ("next_token", "logprob", "top_ids", "top_logprobs", "target_logprob", "row_top_ids",
+          "row_top_logprobs")
+
+
+def _prompt_scores(r: Seq) -> dict:
+    """A scored prompt's rows, joined: each token's log-probability after the first, and each
+    row's top-K (row i scores token i + 1)."""
+    n = r.prompt - 1
+    lp, ti, tl = (np.concatenate([c[j] for c in r.scores])[:n] if r.scores else
+                  np.zeros((0,) if j == 0 else (0, 0)) for j in range(3))
+    return {"logprobs": lp.tolist(), "top_ids": np.asarray(ti).tolist(),
+            "top_logprobs": np.asarray(tl).tolist()}
+
+
+def _settle(fut: cf.Future, result=None, error: Exception | None = None) -> None:
+    """Answers a future; one its caller cancelled has no one to answer."""
+    try:
+        fut.set_exception(error) if error else fut.set_result(result)
+    except cf.InvalidStateError:
+        pass

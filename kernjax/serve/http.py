@@ -1,22 +1,24 @@
 """The head's HTTP front end, OpenAI-compatible as vLLM and SGLang users expect (aiohttp).
 
-  POST /v1/completions       {"model", "prompt", "max_tokens": 1, "stream"} -> the first token of
-                             each prompt, as text and id, with usage counts. A prompt is text or
-                             a list of token ids; a list of either is a batch (one choice each)
-  POST /v1/chat/completions  {"model", "messages", ...}: the checkpoint's chat template, then
-                             the same
+  POST /v1/completions       {"model", "prompt", "max_tokens", ...}: a prompt is text or a list
+                             of token ids, a list of either a batch (`n` choices each). Sampling
+                             (`temperature`, `top_p`, `top_k`, `min_p`, `seed`), `stop` strings,
+                             `stop_token_ids` and the checkpoint's EOS, `logprobs` (0..20) of
+                             each generated token, `echo` (with `logprobs`: the prompt's own
+                             log-probabilities, scored through the pipeline; `max_tokens` 0 scores
+                             only), `stream` (server-sent events, `stream_options.include_usage`)
+  POST /v1/chat/completions  {"model", "messages", ...}: the checkpoint's chat template, then the
+                             same; `logprobs` true with `top_logprobs`
+  POST /tokenize, /detokenize, GET /tokenizer_info   the checkpoint's tokenizer, as vLLM answers
   GET  /v1/models            the served model and its context length
   GET  /version              kernjax and jax versions, the model and the cut id
   GET  /health               200 while the pipeline is up, 503 after a fault
-  GET  /metrics              Prometheus: requests by outcome, TTFT, items, rows per item, pages in
-                             use, per-stage item time
+  GET  /metrics              Prometheus: requests by outcome, time to first token and per output
+                             token, items, rows per item, pages in use, running and waiting
+                             sequences, preemptions, per-stage item time
 
-This server does prefill only and answers with the most likely token: `max_tokens` other than the
-integer 1 is a 400 that says so, and so is every field it cannot honour (`echo`, `n`, `best_of`,
-`logprobs`, `suffix`, `logit_bias`) or does not know. Sampling fields (`temperature`, `top_p`,
-`top_k`, `min_p`, `seed`), `stop`, the penalties and `user` are accepted and change nothing.
-`stream: true` answers with server-sent events: one chunk per prompt as it finishes, then
-`data: [DONE]`. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
+Requests are read and checked by `kernjax/serve/api.py`: a field the server cannot honour is a 400
+that names it. Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`,
 unknown paths and methods included. With `api_key`, every path but /health and /metrics wants
 `Authorization: Bearer KEY` (else 401).
 
@@ -25,8 +27,8 @@ take (`BYTES_PER_TOKEN` each) is a 413 before it is read (also once decompressed
 than the context could tokenize to is a 400 before it is tokenized, a body slower than
 `body_timeout` is a 408 and an idle connection closes after it, requests beyond
 `max_connections` get a 503 (logged once per burst), and parsing, checking and tokenizing run on
-worker threads, so /health answers meanwhile. A prompt whose client has gone is dropped by the
-head before it is packed. Client mistakes are logged in one line at INFO.
+worker threads, so /health answers meanwhile. A sequence whose client has gone is dropped by the
+head at its next step. Client mistakes are logged in one line at INFO.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from kernjax.serve import api
+from kernjax.serve.api import Bad, show as _show
 from kernjax.serve.head import Head, Refused
 from kernjax.serve.protocol import one_line
 
@@ -58,20 +62,8 @@ log.setLevel(logging.INFO)  # its client-mistake lines show under the shells' WA
 # at most 8 (`"151643, "`), text about 4 characters a token, escaped non-ASCII 6 a character.
 BYTES_PER_TOKEN = 32
 OPEN = ("/health", "/metrics")            # answered without the API key and outside the cap
-IGNORED = {"user", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "presence_penalty",
-           "frequency_penalty"}
-CANNOT = {"echo": (False, "does not echo the prompt"),
-          "n": (1, "returns one completion per prompt"),
-          "best_of": (1, "returns one completion per prompt"),
-          "logprobs": (False, "returns no log probabilities (stages send only the token)"),
-          "top_logprobs": (0, "returns no log probabilities (stages send only the token)"),
-          "suffix": ("", "does not complete toward a suffix"),
-          "logit_bias": ({}, "answers with the most likely token, unbiased")}
-FIELDS = {False: {"model", "prompt", "max_tokens", "stream", "stream_options"},
-          True: {"model", "messages", "max_tokens", "max_completion_tokens", "stream",
-                 "stream_options", "add_generation_prompt"}}
-ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /version, "
-             "GET /health, GET /metrics")
+ENDPOINTS = ("POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize, "
+             "GET /tokenizer_info, GET /v1/models, GET /version, GET /health, GET /metrics")
 
 
 class Metrics:
@@ -97,6 +89,16 @@ class Metrics:
                                   registry=r)
         self.transport = Gauge("kernjax_transport", "1 for the transport between the stages "
                                "(`none` for the whole program)", ["kind"], registry=r)
+        self.tpot = Histogram("kernjax_time_per_output_token_seconds", "Time per output token "
+                              "after the first, per sequence", registry=r,
+                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        self.generated = Counter("kernjax_generated_tokens", "Tokens generated", registry=r)
+        self.running = Gauge("kernjax_running_sequences", "Sequences holding pages: prefilling "
+                             "or generating", registry=r)
+        self.waiting = Gauge("kernjax_waiting_sequences", "Admitted sequences waiting for pages "
+                             "or a place", registry=r)
+        self.preemptions = Counter("kernjax_preemptions", "Sequences whose pages were taken back "
+                                   "to be recomputed later", registry=r)
 
     def memory(self, stage: int, m: dict) -> None:
         for kind in ("weights", "states", "peak", "program"):
@@ -111,24 +113,11 @@ class Metrics:
             self.stage.labels(str(s)).observe(us / 1e6)
 
 
-class Bad(Exception):
-    """A request answered with an error: `status`, the message and the field it names."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
-        super().__init__(message)
-        self.param, self.status = param, status
-
-
 def _error(status: int, message: str, *, param: str | None = None) -> web.Response:
     kind = {401: "authentication_error", 404: "not_found_error", 501: "not_implemented_error"}
     kind = kind.get(status, "invalid_request_error" if status < 500 else "service_unavailable")
     return web.json_response({"error": {"message": message, "type": kind, "param": param,
                                         "code": status}}, status=status)
-
-
-def _show(v) -> str:
-    s = json.dumps(v)
-    return s if len(s) <= 40 else s[:37] + "..."
 
 
 def chat_template(ckpt: Path | None):
@@ -177,9 +166,13 @@ def _fd_cap() -> int:
 def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metrics | None = None,
              checkpoint: Path | None = None, api_key: str | None = None,
              max_connections: int | None = None, body_timeout: float = 30.0,
-             max_prompts: int = 64, max_body: int | None = None) -> web.Application:
+             max_prompts: int = 64, max_body: int | None = None,
+             eos: frozenset = frozenset(), defaults: dict | None = None) -> web.Application:
     """The aiohttp application serving `head` under the model name `name`.
 
+    `eos` are the checkpoint's end-of-sequence token ids (`weights.eos_ids`), which end a
+    generation unless a request says `ignore_eos`; `defaults` its sampling defaults
+    (`weights.sampling_defaults`) for the fields a request leaves out;
     `checkpoint` is where the chat template is looked for; `api_key` (None: open) is the Bearer
     token every path but /health and /metrics wants; `max_connections` caps requests in
     progress (None: from the open-file limit); `body_timeout` is the seconds a body may take to
@@ -266,46 +259,33 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             raise Bad(f"the chat template refused these messages: {_show(str(e))}",
                       "messages") from None
 
-    def prepare(data: bytes, chat: bool):
-        """Parses and checks a body and tokenizes its prompts, on a worker thread."""
+    def parse(data: bytes):
         try:
-            body = json.loads(data)
+            return json.loads(data)
         except (ValueError, RecursionError) as e:
             why = "nested too deeply" if isinstance(e, RecursionError) else str(e)[:120]
             raise Bad(f"the request body is not JSON this server reads ({why}); send "
-                      "{\"prompt\": ..., \"max_tokens\": 1}") from None
-        if not isinstance(body, dict):
-            raise Bad("the request body must be a JSON object")
-        unknown = sorted(set(body) - FIELDS[chat] - IGNORED - set(CANNOT))
-        if unknown:
-            raise Bad(f"unknown field {_show(unknown[0])}; this server takes "
-                      f"{', '.join(sorted(FIELDS[chat] | set(CANNOT)))} (and ignores "
-                      f"{', '.join(sorted(IGNORED))})", unknown[0])
-        if not isinstance(body.get("model", ""), str | None):
-            raise Bad(f"model is {_show(body['model'])}; give the model's name, a string", "model")
+                      "{\"prompt\": ..., \"max_tokens\": 16}") from None
+
+    def prepare(data: bytes, chat: bool):
+        """Parses and checks a body and tokenizes its prompts, on a worker thread: the `Job`,
+        the prompts' token ids and, where a prompt is text, the text."""
+        body = parse(data)
+        job = api.read(body, chat=chat, context=context, eos=eos,
+                       has_score="score" in head.programs, defaults=defaults)
         if body.get("model") not in (None, name):
             raise Bad(f"the model {_show(body.get('model'))} does not exist; this server serves "
                       f"`{name}`", "model", 404)
-        for k in ("max_tokens", "max_completion_tokens"):
-            v = body.get(k)
-            if v is not None and not (type(v) is int and v == 1):
-                raise Bad(f"{k} is {_show(v)}: this server does prefill only and answers with the "
-                          f"first token; send {k} 1 (an integer)", k)
-        for k, (ok, why) in CANNOT.items():
-            v = body.get(k)
-            if v is not None and not (type(v) is type(ok) and v == ok):
-                raise Bad(f"`{k}` is {_show(v)}: this server {why}; leave it out", k)
-        stream, opts = body.get("stream", False), body.get("stream_options")
-        stream = False if stream is None else stream
-        if not isinstance(stream, bool):
-            raise Bad("stream must be true or false", "stream")
-        if opts is not None and (not stream or not isinstance(opts, dict) or set(opts) - {
-                "include_usage"} or not isinstance(opts.get("include_usage", False), bool)):
-            raise Bad("stream_options takes {\"include_usage\": true|false}, with stream true",
-                      "stream_options")
         ps, param = ([messages(body)], "messages") if chat else (prompts(body), "prompt")
-        return [tokens(p, i, len(ps) > 1, param) for i, p in enumerate(ps)], stream, bool(
-            opts and opts.get("include_usage"))
+        if len(ps) * job.ask.n > max_prompts:
+            raise Bad(f"{len(ps)} prompts with n {job.ask.n} are {len(ps) * job.ask.n} "
+                      f"sequences; this server takes at most {max_prompts} a request", "n")
+        if job.ask.max_tokens == 0 and job.ask.n > 1:
+            raise Bad("n above 1 with max_tokens 0 would repeat one answer; give n 1", "n")
+        ids = [tokens(p, i, len(ps) > 1, param) for i, p in enumerate(ps)]
+        texts = [p if isinstance(p, str) else (tokenizer.decode(list(map(int, p)))
+                                               if tokenizer else "") for p in ps]
+        return job, ids, texts
 
     async def read(request: web.Request) -> bytes:
         n = request.content_length
@@ -339,44 +319,63 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             raise Bad(render, "messages", 501)
         data = await read(request)
         loop = asyncio.get_running_loop()
-        ps, stream, usage = await loop.run_in_executor(pool, prepare, data, chat)
+        job, ps, texts = await loop.run_in_executor(pool, prepare, data, chat)
+        n = job.ask.n
+        choices = [api.Choice(k, ps[k // n], job, tokenizer, texts[k // n])
+                   for k in range(len(ps) * n)]
+        events: asyncio.Queue = asyncio.Queue()
         gone = {"flag": False}
-        futs = head.submit_all(ps, lambda: gone["flag"] or request.transport is None)
-        if futs[0].done() and futs[0].exception():  # refused at once: all of them are
-            e = futs[0].exception()
-            raise Bad(str(e), "prompt" if e.status == 400 else None, e.status)
-        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-        async def one(i: int):
-            try:
-                return i, await asyncio.shield(asyncio.wrap_future(futs[i]))
-            except Refused as e:
-                return i, e
-
-        def choice(i: int, token: int) -> dict:
-            text = tokenizer.decode([token]) if tokenizer else ""
-            c = ({"delta" if stream else "message": {"role": "assistant", "content": text}}
-                 if chat else {"text": text, "token_ids": [token]})
-            return {"index": i, **c, "logprobs": None, "finish_reason": "length"}
-
-        def envelope(choices: list) -> dict:
-            kind = "text_completion" if not chat else "chat.completion" + ".chunk" * stream
-            return {"id": rid, "object": kind, "created": created, "model": name,
-                    "choices": choices}
-
-        n = sum(map(len, ps))
-        counts = {"prompt_tokens": n, "completion_tokens": len(ps), "total_tokens": n + len(ps)}
+        def emit(k, kind, data):  # on the head's threads
+            loop.call_soon_threadsafe(events.put_nowait, (k, kind, data))
         try:
-            if not stream:
-                got = await asyncio.gather(*(one(i) for i in range(len(ps))))
-                bad = next((r for _, r in got if isinstance(r, Refused)), None)
-                if bad:
-                    raise Bad(str(bad), None, bad.status)
-                for _, (_, ttft) in got:
-                    metrics.ttft.observe(ttft)
+            seqs = head.start(ps, job.ask, emit, lambda: gone["flag"] or request.transport is None)
+        except Refused as e:
+            raise Bad(str(e), "prompt" if e.status == 400 else None, e.status) from None
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        kind = "chat.completion" + ".chunk" * job.stream if chat else "text_completion"
+        open_ = set(range(len(choices)))
+
+        async def next_event():
+            """The next event of a choice still open: (its choice, the error or None)."""
+            while True:
+                k, what, data = await events.get()
+                c = choices[k]
+                if k not in open_:
+                    continue
+                if what == "prompt":
+                    c.prompt(data)
+                elif what == "token":
+                    c.token(data)
+                    if c.stopped:  # a stop string: the head drops the sequence
+                        seqs[k].cancelled = True
+                elif what == "done":
+                    c.done(data)
+                elif what == "error":
+                    open_.discard(k)
+                    return c, data
+                if c.finish:
+                    open_.discard(k)
+                return c, None
+
+        def envelope(cs: list) -> dict:
+            return {"id": rid, "object": kind, "created": created, "model": name,
+                    "choices": cs}
+
+        def counts() -> dict:
+            m = sum(c.usage() for c in choices)
+            p = sum(map(len, ps))
+            return {"prompt_tokens": p, "completion_tokens": m, "total_tokens": p + m}
+        try:
+            if not job.stream:
+                while open_:
+                    _, err = await next_event()
+                    if err is not None:
+                        gone["flag"] = True  # one choice failed: the others have no answer
+                        raise Bad(str(err), None, err.status)
                 metrics.requests.labels("ok").inc()
-                return web.json_response({**envelope([choice(i, t) for i, (t, _) in got]),
-                                          "usage": counts})
+                return web.json_response({**envelope([c.final() for c in choices]),
+                                          "usage": counts()})
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                "Cache-Control": "no-cache"})
             await resp.prepare(request)
@@ -385,28 +384,81 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                 await resp.write(b"data: " + (obj if isinstance(obj, bytes) else
                                               json.dumps(obj).encode()) + b"\n\n")
             outcome = "ok"
-            for done in asyncio.as_completed([one(i) for i in range(len(ps))]):
-                i, r = await done
-                if isinstance(r, Refused):  # the client went, or the pipeline failed: say so
-                    if r.status == 499:
+            while open_:
+                c, err = await next_event()
+                if err is not None:  # the client went, or the pipeline failed: say so
+                    gone["flag"] = True
+                    if err.status == 499:
                         metrics.requests.labels("abandoned").inc()
                         return resp
                     outcome = "unavailable"
-                    await send({"error": {"message": str(r), "type": "service_unavailable",
-                                          "param": None, "code": r.status}})
+                    await send({"error": {"message": str(err), "type": "service_unavailable",
+                                          "param": None, "code": err.status}})
                     break
-                metrics.ttft.observe(r[1])
-                await send(envelope([choice(i, r[0])]))
-            if usage and outcome == "ok":
-                await send({**envelope([]), "usage": counts})
+                d = c.delta()
+                if d is not None:
+                    await send(envelope([d]))
+            if job.usage and outcome == "ok":
+                await send({**envelope([]), "usage": counts()})
             await send(b"[DONE]")
             await resp.write_eof()
             metrics.requests.labels(outcome).inc()
             return resp
         except (asyncio.CancelledError, ConnectionError):
-            gone["flag"] = True  # the client went: what is not packed yet is dropped
+            gone["flag"] = True  # the client went: its sequences are dropped
             metrics.requests.labels("abandoned").inc()
             raise
+
+    async def tokenize(request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(pool, parse, await read(request))
+        if not isinstance(body, dict) or set(body) - {"model", "prompt", "messages",
+                                                      "add_special_tokens",
+                                                      "add_generation_prompt",
+                                                      "return_token_strs"}:
+            raise Bad("/tokenize takes {\"prompt\": text} or {\"messages\": [...]}, and "
+                      "add_special_tokens, return_token_strs")
+        if tokenizer is None:
+            raise Bad("this model has no tokenizer", "prompt")
+        if "messages" in body:
+            if render is None or isinstance(render, str):
+                raise Bad("the checkpoint has no chat template", "messages")
+            text = messages(body)
+        elif isinstance(body.get("prompt"), str):
+            text = body["prompt"]
+        else:
+            raise Bad("prompt must be a string", "prompt")
+        if len(text) > max_chars:
+            raise Bad(f"the text is {len(text)} characters; this server tokenizes at most "
+                      f"{max_chars}", "prompt")
+        enc = tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        out = {"count": len(enc.ids), "max_model_len": context, "tokens": enc.ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = enc.tokens
+        return web.json_response(out)
+
+    async def detokenize(request: web.Request) -> web.Response:
+        body = await asyncio.get_running_loop().run_in_executor(pool, parse, await read(request))
+        ids = body.get("tokens") if isinstance(body, dict) else None
+        if not (isinstance(ids, list) and all(type(t) is int and 0 <= t < vocab for t in ids)):
+            raise Bad(f"/detokenize takes {{\"tokens\": [ids]}}, ids in 0..{vocab - 1}",
+                      "tokens")
+        if tokenizer is None:
+            raise Bad("this model has no tokenizer", "tokens")
+        return web.json_response({"prompt": tokenizer.decode(ids, skip_special_tokens=False)})
+
+    async def tokenizer_info(_: web.Request) -> web.Response:
+        if tokenizer is None:
+            raise Bad("this model has no tokenizer", status=404)
+        cfg = {}
+        if checkpoint and (Path(checkpoint) / "tokenizer_config.json").is_file():
+            cfg = json.loads((Path(checkpoint) / "tokenizer_config.json").read_text())
+        info = {k: v for k, v in cfg.items() if k != "added_tokens_decoder"}
+        info.update({"tokenizer_class": cfg.get("tokenizer_class", "PreTrainedTokenizerFast"),
+                     "model_max_length": context, "vocab_size": tokenizer.get_vocab_size(),
+                     "eos_token_ids": sorted(eos)})
+        if tpl:
+            info["chat_template"] = tpl[0]
+        return web.json_response(info)
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await complete(request, False)
@@ -538,6 +590,8 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
     app.on_cleanup.append(stop)
     app.add_routes([web.post("/v1/completions", completions),
                     web.post("/v1/chat/completions", chat_completions),
+                    web.post("/tokenize", tokenize), web.post("/detokenize", detokenize),
+                    web.get("/tokenizer_info", tokenizer_info),
                     web.get("/v1/models", models), web.get("/version", version),
                     web.get("/health", health), web.get("/metrics", prometheus)])
     return app

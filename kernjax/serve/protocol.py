@@ -10,9 +10,9 @@ to back in the payload. Kinds, after kern-serve's PP3 messages:
     HELLO   stage -> head   {stage, stages, cut, pages, listen, arrivals, departures, fills}
             stage -> next   {stage, stages, cut}: the first frame on a stage-to-stage link
     TABLE   head -> stage   {pages, next: {address, arrivals} | null}
-    ITEM    head -> stage   {item, rows} + the item's fills and tables
+    ITEM    head -> stage   {item, rows, program} + the item's fills and tables
     ACTS    stage -> next   {item} + the departures, named as the next stage's arrivals
-    TOKENS  last -> head    {item, busy_us} + next_token
+    TOKENS  last -> head    {item, busy_us} + next_token and the item's log-probabilities
     PING / PONG             liveness, both ways
     ERROR   either way      {message}: the sender is going away because of it
 

@@ -5,8 +5,9 @@ The stage listens for its predecessor, joins the head (`--pp_head`, retried for
 stage's address and arrivals, which must equal its own departures), connects to the next stage
 (saying Hello {stage, cut} on that link) and accepts as its predecessor only a connection whose
 Hello names stage s-1 of its cut; any other connection is refused with one log line. Then, item
-by item in order: the fills come from the head, the arrivals from the stage before, the
-departures go to the stage after, and the last stage sends the head the tokens. A reader thread
+by item in order, through the program the head names for it (a prefill or score chunk, a decode
+bucket): the fills come from the head, the arrivals from the stage before, the departures go to
+the stage after, and the last stage sends the head the item's tokens and log-probabilities. A reader thread
 answers the head's pings while the main thread computes.
 
 Any error ends the process with a message naming the stage and what failed; a closed connection
@@ -25,7 +26,9 @@ import time
 
 import numpy as np
 
+from kernjax.artifact import DEFAULT
 from kernjax.runtime.runner import Runner
+from kernjax.serve.head import ANSWER
 from kernjax.serve.protocol import MAX_FRAME, Closed, ProtocolError, connect, handshakes
 from kernjax.runtime import edge
 from kernjax.serve.transport import HostTransport
@@ -88,7 +91,8 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         in_edge, via = edge.receiving(art.arrivals, art.index - 1, transport, edge_slots)
         out_edge = None
         server = socket.create_server((host, 0))
-        fills = [x.name for x in art.inputs if x.role in ("fill", "table")]
+        fills = list(dict.fromkeys(x.name for p in art.programs.values() for x in p.inputs
+                                   if x.role in ("fill", "table")))
         deadline, said = time.time() + startup_timeout, False
         while True:  # a head that closes unanswered (64 strangers yet to say who they are) is
             # asked again; one that refuses (an ERROR frame) is not
@@ -96,7 +100,7 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
                             say=say)
             try:
                 hconn.send("HELLO", {"stage": s, "stages": art.stages, "cut": art.cut_id,
-                                     "lowering": art.lowering,
+                                     "lowering": art.lowering, "programs": list(art.programs),
                                      "pages": art.item.pages, "listen": server.getsockname()[1],
                                      "arrivals": _slots(art.arrivals),
                                      "departures": _slots(art.departures), "fills": fills,
@@ -174,22 +178,24 @@ def serve_stage(runner: Runner, *, head: str, host: str = "127.0.0.1",
         while True:
             header, fills = items.get()
             k = header["item"]
+            program = runner.program(header.get("program", DEFAULT))
             t0 = time.time()
             try:
-                arrivals, acts = prev.recv(k)
+                arrivals, acts = prev.recv(k, slots=program.arrivals)
             except (Closed, ProtocolError) as e:
                 die(str(e), s - 1)
             t1 = time.time()
-            departures, outputs = runner.run(fills, arrivals)
+            departures, outputs = runner.run(fills, arrivals, program=program.name)
             # np.asarray waits for the device, so `busy` is the work, not its launch.
             departures = [np.asarray(d) for d in departures]
-            tokens = None if nxt else np.asarray(outputs["next_token"])
+            answer = None if nxt else {n: np.asarray(v) for n, v in outputs.items()
+                                       if n in ANSWER}
             busy = acts.get("busy_us", []) + [int((time.time() - t1) * 1e6)]
             if nxt:
-                nxt.send(k, departures, {"busy_us": busy})
+                nxt.send(k, departures, {"busy_us": busy}, slots=program.departures)
             else:
                 hconn.send("TOKENS", {"item": k, "rows": header["rows"], "busy_us": busy},
-                           {"next_token": tokens})
+                           answer)
             log_item(s, k, header["rows"], t0, time.time())
     except (Closed, ProtocolError) as e:
         die(str(e))
@@ -219,10 +225,10 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
     def finish() -> None:  # item k left (the others) or its tokens went to the head (the last)
         try:
             while True:
-                k, rows, t0, tokens = done.get()
+                k, rows, t0, tokens = done.get()  # tokens: the item's outputs
                 if last:
                     hconn.send("TOKENS", {"item": k, "rows": rows, "busy_us": []},
-                               {"next_token": np.asarray(tokens)})
+                               {n: np.asarray(v) for n, v in tokens.items() if n in ANSWER})
                 elif not edge.left(out_edge, k, timeout):
                     die(f"stage {s + 1} stopped taking items: item {k} waited {timeout:g} s for "
                         "its slot")
@@ -238,7 +244,7 @@ def _serve_edged(runner: Runner, hconn, items: queue.Queue, prev, out_edge, die,
             header, fills = items.get()
             k, t0 = header["item"], time.time()
             outputs, _ = runner.run_edged(fills, k)
-            done.put((k, header["rows"], t0, outputs.get("next_token")))
+            done.put((k, header["rows"], t0, outputs))
     except (Closed, ProtocolError) as e:
         die(str(e))
     except Exception as e:  # noqa: BLE001 (any error ends the stage, with a reason)

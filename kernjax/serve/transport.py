@@ -37,21 +37,27 @@ class HostTransport:
     def __init__(self, conn: Conn, slots: Sequence[Slot]):
         self.conn, self.slots = conn, tuple(slots)
 
-    def send(self, item: int, arrays: Sequence, header: dict | None = None) -> None:
-        """Sends item `item`'s departures, in signature order."""
-        if len(arrays) != len(self.slots):
+    def send(self, item: int, arrays: Sequence, header: dict | None = None, *,
+             slots: Sequence[Slot] | None = None) -> None:
+        """Sends item `item`'s departures, in signature order (`slots`: those of the item's
+        program, by default the default program's)."""
+        slots = self.slots if slots is None else tuple(slots)
+        if len(arrays) != len(slots):
             raise ProtocolError(f"item {item}: {len(arrays)} departures; the signature has "
-                                f"{len(self.slots)}")
+                                f"{len(slots)}")
         self.conn.send("ACTS", {**(header or {}), "item": item},
-                       {s.name: np.asarray(a) for s, a in zip(self.slots, arrays)})
+                       {s.name: np.asarray(a) for s, a in zip(slots, arrays)})
 
-    def recv(self, item: int) -> tuple[list[np.ndarray], dict]:
-        """Receives item `item`'s arrivals; refuses anything the signature does not say."""
+    def recv(self, item: int, *, slots: Sequence[Slot] | None = None
+             ) -> tuple[list[np.ndarray], dict]:
+        """Receives item `item`'s arrivals; refuses anything the signature (`slots`: of the
+        item's program) does not say."""
+        slots = self.slots if slots is None else tuple(slots)
         header, arrays = self.conn.expect("ACTS")
         if header.get("item") != item:
             raise ProtocolError(f"{self.conn.name} sent item {header.get('item')} where item "
                                 f"{item} was due")
-        want = [(s.name, s.dtype, list(s.shape)) for s in self.slots]
+        want = [(s.name, s.dtype, list(s.shape)) for s in slots]
         got = [(k, str(v.dtype), list(v.shape)) for k, v in arrays.items()]
         if got != want:
             raise ProtocolError(f"{self.conn.name} sent arrivals {got}; this stage takes {want}")
