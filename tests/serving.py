@@ -113,6 +113,10 @@ class Procs:
         self.started: list[Proc] = []
 
     def serve(self, *args: str, log: Path, gpu: int | None = None) -> Proc:
+        """A `kernjax serve` process; it compiles its prefill program before serving and each
+        other program when first used (`--warm prefill`) unless `args` say otherwise."""
+        if not any(a.startswith("--warm") for a in args):
+            args = (*args, "--warm", "prefill")
         proc = Proc(args, log, gpu)
         self.started.append(proc)
         return proc

@@ -27,9 +27,9 @@ REF = {"model": "qwen3-tiny", "seed": 0, "dtype": "float32"}
 CONTEXT = 256
 
 
-def _head(tmp, *, pages=None, name="whole", max_seqs=256):
+def _head(tmp, *, pages=None, name="whole", max_seqs=256, decode=(1, 4, 16)):
     progs = artifact.programs(FAM, CFG, dtype="float32", rows=32, seqs=4, context=CONTEXT,
-                              pages=pages, decode=(1, 4, 16))
+                              pages=pages, decode=decode)
     from kernjax.core.cut import whole_all
     art = artifact.read(artifact.write(
         tmp / name, whole_all(progs), model=artifact.model_meta(FAM, CFG), checkpoint=REF,
@@ -326,3 +326,24 @@ def test_the_openai_client_completes_chats_streams_and_reads_logprobs(served):
         loop.call_soon_threadsafe(loop.stop)
         t.join(10)
         sock.close()
+
+
+def test_without_decode_programs_steps_go_in_the_chunk_and_give_the_same_bits(served,
+                                                                               tmp_path_factory):
+    """A cut with no decode bucket (`kernjax cut --decode=`, and what a device transport serves):
+    a prompt's last chunk samples its first token and every step is a row of the prefill chunk,
+    beside others' rows; the tokens and log-probabilities are the roomy server's."""
+    big, _, ckpt = served
+    plain, _ = _head(tmp_path_factory.mktemp("plain"), name="plain", decode=())
+    assert plain.buckets == []
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, CFG.vocab, int(n)).tolist() for n in (1, 5, 33, 40)]
+    body = {"max_tokens": 7, "temperature": 0.7, "seed": 2, "logprobs": 2, "ignore_eos": True}
+
+    async def go(h):
+        async with _client(h, ckpt) as c:
+            return await asyncio.gather(*(post(c, {**body, "prompt": p}) for p in prompts))
+    want, got = run(go(big)), run(go(plain))
+    for (sw, w), (sg, g) in zip(want, got, strict=True):
+        assert sw == sg == 200, g
+        assert w["choices"] == g["choices"]

@@ -78,7 +78,7 @@ def _complete(url, prompts, *, concurrent: bool, model: str = "qwen3-tiny"):
 
 
 def _tokens(results):
-    """Each answer's token ids, all of them (one: the API is prefill only)."""
+    """Each answer's token ids, all of them."""
     assert all(status == 200 and len(r["choices"]) == 1 for status, r in results), results
     return [r["choices"][0]["token_ids"] for _, r in results]
 
@@ -141,7 +141,7 @@ def test_100_concurrent_requests_all_answered_and_pages_return(servers):
     (b"{not json", 400, "not JSON"),
     (b"[1, 2]", 400, "JSON object"),
     (b'{"max_tokens": 1}', 400, "prompt must be"),
-    (b'{"prompt": [1, 2], "max_tokens": 16}', 400, "prefill only"),
+    (b'{"prompt": [1, 2], "presence_penalty": 1}', 400, "applies no penalties"),
     (b'{"prompt": [], "max_tokens": 1}', 400, "empty"),
     (b'{"prompt": [1, 99999]}', 400, "outside the vocabulary"),
     (b'{"prompt": [[1], 2]}', 400, "prompt must be"),
@@ -169,6 +169,41 @@ def test_models_and_health(servers):
     assert status == 200 and h["stages"] == 3
 
 
+GENERATE = [
+    {"prompt": [5, 6, 7], "max_tokens": 8, "temperature": 0, "logprobs": 3, "ignore_eos": True},
+    {"prompt": list(range(40, 140)), "max_tokens": 6, "temperature": 0.9, "top_p": 0.9,
+     "seed": 4, "n": 2, "logprobs": 1, "ignore_eos": True},
+    {"prompt": list(range(3, 80)), "max_tokens": 0, "echo": True, "logprobs": 5},
+    {"prompt": "Hello, world!", "max_tokens": 5, "echo": True, "logprobs": 2, "seed": 1,
+     "temperature": 1.0, "stop": ["zz"]},
+]
+
+
+def _answers(url, bodies, *, concurrent: bool):
+    """The choices of each answer (their token ids, text, log-probabilities, finish)."""
+    async def go():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+            if concurrent:
+                return await asyncio.gather(*(_post(s, url, b) for b in bodies))
+            return [await _post(s, url, b) for b in bodies]
+    got = asyncio.run(go())
+    assert all(status == 200 for status, _ in got), got
+    return [r["choices"] for _, r in got]
+
+
+def test_generation_and_scores_are_the_same_bits_whole_and_split(servers):
+    """Generated tokens, their log-probabilities and a prompt's scores from the 2- and 3-stage
+    pipelines equal the whole program's byte for byte (JSON floats round-trip), one request at a
+    time and all at once."""
+    want = _answers(servers[1].http, GENERATE, concurrent=False)
+    assert want[2][0]["logprobs"]["token_logprobs"][0] is None
+    assert len(want[2][0]["logprobs"]["token_logprobs"]) == 77
+    for n in (2, 3):
+        assert _answers(servers[n].http, GENERATE, concurrent=False) == want, n
+        assert _answers(servers[n].http, GENERATE * 2, concurrent=True) == want * 2, n
+        assert _metric(servers[n].http, "kernjax_pages_in_use") == 0
+
+
 def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_path, procs):
     """Stages that move activations in their programs (`--transport shm`, kernjax/runtime/edge.py), one
     slot per edge in the 3-stage pipeline: the single-process server's tokens, one request at a
@@ -188,6 +223,13 @@ def test_the_shm_transport_gives_the_same_tokens_and_says_so(cuts, servers, tmp_
         assert _tokens(_complete(pipe.http, (prompts * 3)[:16], concurrent=True)) == \
             (want * 3)[:16], pipe.logs()
         assert _metric(pipe.http, 'kernjax_transport{kind="shm"}') == 1
+        # steps go in the prefill chunk there (the device transports carry its activations
+        # only): the same tokens and log-probabilities; scoring is refused, saying why
+        gen = [b for b in GENERATE if not b.get("echo")]
+        assert _answers(pipe.http, gen, concurrent=True) == \
+            _answers(servers[1].http, gen, concurrent=False)
+        (status, r), = asyncio.run(_one(pipe.http, GENERATE[2]))
+        assert status == 400 and "--transport host" in r["error"]["message"], r
         for st in range(n):  # each stage's weights and states, from its Hello, and what
             # its program holds at once, its arguments among them
             got = {k: _metric(pipe.http, f'kernjax_stage_memory_bytes{{kind="{k}",stage="{st}"}}')
@@ -383,8 +425,8 @@ def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path, procs):
                        log=tmp_path / "serve.log")
     assert proc.wait_for("serving", 120), proc.text()
     url = proc.url
-    (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7"}))
-    (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7]}))
+    (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7", "max_tokens": 1}))
+    (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7], "max_tokens": 1}))
     assert s1 == s2 == 200, (text, ids, proc.text())
     token = ids["choices"][0]["token_ids"][0]
     assert text["choices"][0]["token_ids"] == [token]

@@ -145,8 +145,8 @@ def test_the_head_waits_through_junk_and_logs_with_timestamps(cut, tmp_path, pro
         assert all(_one_line(text, ln) for ln in text.splitlines() if "refused" in ln)
         # a client's mistake (here a 503 while stage 1 joins): one stamp, not absl's prefix too
         assert re.search(STAMP + r"http: POST /v1/completions from \S+: 503 waiting", text), text
-        for k in range(3):
-            (status, _), = asyncio.run(_one(url, {"prompt": [1, 2, 3 + k]}))
+        for k in range(3):  # one item each: a one-token prompt is its one-row step
+            (status, _), = asyncio.run(_one(url, {"prompt": [3 + k], "max_tokens": 1}))
             assert status == 200
         assert asyncio.run(_get(url + "/health"))[0] == 200
         files = [logs / "stage0.log", logs / "stage1.log"]

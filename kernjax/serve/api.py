@@ -67,6 +67,14 @@ class Job:
     stream: bool = False
     usage: bool = False
     skip_special: bool = True
+    fill: bool = False  # no max_tokens given to a chat: generate until the context is full
+
+    def sized(self, prompt_tokens: int, context: int) -> Job:
+        """The job with `max_tokens` the room left after the prompt where it is to `fill`."""
+        if not self.fill:
+            return self
+        room = max(context - prompt_tokens, 1)
+        return dataclasses.replace(self, ask=dataclasses.replace(self.ask, max_tokens=room))
 
 
 def _number(body: dict, key: str, default, *, lo=None, hi=None, integer=False, lo_open=False):
@@ -117,8 +125,8 @@ def read(body, *, chat: bool, context: int, eos: frozenset, has_score: bool,
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     given = [k for k in keys if body.get(k) is not None]
     max_tokens = _number(body, given[0], None, lo=0, integer=True) if given else None
-    if max_tokens is None:
-        max_tokens = context if chat else 16  # chat: until the context is full, as vLLM's
+    if max_tokens is None:  # chat: until the context is full, as vLLM's (`Job.fill`)
+        max_tokens = 0 if chat else 16
     temperature = _number(body, "temperature", d["temperature"], lo=0, hi=100)
     top_p = _number(body, "top_p", d["top_p"], lo=0, hi=1, lo_open=True)
     top_k = _number(body, "top_k", int(d["top_k"]), lo=-1, integer=True)
@@ -160,7 +168,7 @@ def read(body, *, chat: bool, context: int, eos: frozenset, has_score: bool,
     if score and not has_score:
         raise Bad("echo with logprobs scores the prompt, and this pipeline cannot: serve it with "
                   "--transport host (or re-cut it with this kernjax)", "echo")
-    if max_tokens == 0 and not echo:
+    if max_tokens == 0 and not echo and given:
         raise Bad("max_tokens 0 generates nothing; give max_tokens 1 or more, or echo true to "
                   "answer with the prompt (and its logprobs)", given[0] if given else
                   "max_tokens")
@@ -173,7 +181,7 @@ def read(body, *, chat: bool, context: int, eos: frozenset, has_score: bool,
               score=score)
     return Job(chat, [], ask, echo=echo, logprobs=logprobs, stop=tuple(stop), stream=stream,
                usage=bool(opts and opts.get("include_usage")),
-               skip_special=_flag(body, "skip_special_tokens", True))
+               skip_special=_flag(body, "skip_special_tokens", True), fill=not given and chat)
 
 
 def _fresh_seed() -> int:
@@ -212,9 +220,12 @@ class Choice:
         for s in self.job.stop:  # the first stop string in the text ends it, cut before it
             at = full.find(s, max(0, len(self.text) - len(s)))
             if at >= 0:
-                self.text, self.finish, self.stopped = full[:at], "stop", True
+                self.text, self.finish = full[:at], "stop"
+                self.stopped = not data.get("finish_reason")  # the head has more to drop
                 return
         self.text = full
+        if data.get("finish_reason"):  # its last token
+            self.done(data)
 
     def done(self, data: dict) -> None:
         if not self.finish:

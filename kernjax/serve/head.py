@@ -118,11 +118,12 @@ class Seq:
         return self.ask.score and self.made == 0 and self.pos < self.prompt - 1
 
     def chunk_end(self) -> int:
-        """Rows that go in chunks: all but the last known token's, which is the step's."""
+        """Rows that go in chunks: all but the last known token's, which is the step's (without
+        a step program, a prompt's last chunk samples its first token)."""
         n = len(self.tokens)
         if self.ask.max_tokens == 0:
             return self.prompt - 1
-        return n - 1 if self.step else n
+        return n - 1 if self.step or self.made else n
 
     def left(self) -> int:
         return max(self.chunk_end() - self.pos, 0)
@@ -645,17 +646,17 @@ class Head:
                 self.metrics.ttft.observe(now - r.arrived)
         elif self.metrics:
             self.metrics.tpot.observe((now - r.first) / max(r.made - 1, 1))
-        data = {"id": t, "seconds": now - r.arrived}
+        finish = ("stop" if t in r.ask.stop_ids else "length" if (
+            r.made >= r.ask.max_tokens or len(r.tokens) >= self.shape.context) else None)
+        data = {"id": t, "seconds": now - r.arrived, "finish_reason": finish}
         if "logprob" in out:
             data.update(logprob=float(out["logprob"][i]), top_ids=out["top_ids"][i].tolist(),
                         top_logprobs=out["top_logprobs"][i].tolist())
-        r.say("token", data)
+        r.say("token", data)  # a last token says so: its client need not wait for `done`
         if self.metrics:
             self.metrics.generated.inc()
-        if t in r.ask.stop_ids:
-            self._end(r, "stop", now)
-        elif r.made >= r.ask.max_tokens or len(r.tokens) >= self.shape.context:
-            self._end(r, "length", now)
+        if finish:
+            self._end(r, finish, now)
 
     def _end(self, r: Seq, reason: str, now: float) -> None:
         r.ended = True

@@ -283,6 +283,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         if job.ask.max_tokens == 0 and job.ask.n > 1:
             raise Bad("n above 1 with max_tokens 0 would repeat one answer; give n 1", "n")
         ids = [tokens(p, i, len(ps) > 1, param) for i, p in enumerate(ps)]
+        job = job.sized(max(map(len, ids)), context)
         texts = [p if isinstance(p, str) else (tokenizer.decode(list(map(int, p)))
                                                if tokenizer else "") for p in ps]
         return job, ids, texts
@@ -337,12 +338,13 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
         open_ = set(range(len(choices)))
 
         async def next_event():
-            """The next event of a choice still open: (its choice, the error or None)."""
+            """The next event, applied to its choice: (the choice, the error or None); (None,
+            None) for an event of a choice already closed."""
             while True:
                 k, what, data = await events.get()
                 c = choices[k]
                 if k not in open_:
-                    continue
+                    return None, None
                 if what == "prompt":
                     c.prompt(data)
                 elif what == "token":
@@ -386,6 +388,11 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             outcome = "ok"
             while open_:
                 c, err = await next_event()
+                touched = {c.index: c} if c else {}
+                while err is None and not events.empty() and open_:  # all that has arrived:
+                    c, err = await next_event()  # one chunk for a token and its finish
+                    if c:
+                        touched[c.index] = c
                 if err is not None:  # the client went, or the pipeline failed: say so
                     gone["flag"] = True
                     if err.status == 499:
@@ -395,9 +402,10 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                     await send({"error": {"message": str(err), "type": "service_unavailable",
                                           "param": None, "code": err.status}})
                     break
-                d = c.delta()
-                if d is not None:
-                    await send(envelope([d]))
+                for c in touched.values():
+                    d = c.delta()
+                    if d is not None:
+                        await send(envelope([d]))
             if job.usage and outcome == "ok":
                 await send({**envelope([]), "usage": counts()})
             await send(b"[DONE]")
