@@ -26,6 +26,9 @@
 #              $BASELINE_FLAGS go to both
 #   calls      experiments.calls at 512 and 2048 rows, then `kernjax cut --at auto` by each
 #              profile; $CALLS_SECONDS (300)
+#   decode     experiments.decode: each program of a whole cut alone (prefill, score, decode
+#              buckets), then served whole and in 2 stages at $DECODE_BATCHES (1,16,64);
+#              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512)
 #   clocks     experiments.clocks, $CLOCK_SECONDS (8) a phase
 #   attention  experiments.attention; $ATTN_FLAGS
 #   bounds     experiments.boundaries at each of $ROWS ("512 2048")
@@ -159,7 +162,7 @@ for step in "$@"; do
     # machine's XLA cache; each keeps its checkpoints in its own (tests/conftest.py).
     IFS=';' read -ra groups <<< "${TEST_GROUPS:-${TESTS:-tests/test_attention_pallas.py tests/test_attention_hopper.py tests/test_attention.py tests/test_cut.py \
       tests/test_processes.py tests/test_ffi.py tests/test_mxfp4.py tests/test_kda.py tests/test_parity.py tests/test_edge.py \
-      tests/test_dense_cuda.py}}"
+      tests/test_dense_cuda.py tests/test_generate.py}}"
     pids=()
     for g in "${!groups[@]}"; do
       KERNJAX_XLA_CACHE=$KERNJAX_CACHE/xla timeout -s INT -k 60 "${TEST_SECONDS:-900}" \
@@ -286,6 +289,12 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       python -c 'import json, sys; c = json.load(open(sys.argv[1]))["calls"]; a = sum(x["ms"] for x in c[:218]); b = sum(x["ms"] for x in c[218:]); print(f"--at 18 by the same profile: {a:.3f}, {b:.3f} ms, the longest {2 * max(a, b) / (a + b):.3f} of even")' "$OUT/logs/calls-$r.json" | say
       rm -rf "cuts/auto-$r"
     done ;;
+  decode)
+    log "scoring against prefill and decode, program by program and served"
+    python -m experiments.decode --model "${DECODE_MODEL:-qwen3-4b}" --chunk "${DECODE_CHUNK:-512}" \
+      --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/decode" > "$OUT/logs/decode.log" 2>&1 \
+      || echo "experiments.decode: exit $?" >> "$OUT/logs/decode.log"
+    grep -E "^\||exit|score /" "$OUT/logs/decode.log" | say ;;
   clocks)
     log "SM clock and power under GEMMs, the 8k prefill and attention"
     timeout 300 python -m experiments.clocks --seconds "${CLOCK_SECONDS:-8}" --out "$OUT/clocks" \

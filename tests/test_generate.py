@@ -263,3 +263,28 @@ def test_a_rows_draw_does_not_depend_on_what_its_neighbours_ask(cuts):
     alone = [step([i], [asks[i]])[0] for i in range(4)]
     assert step([0, 1, 2, 3], asks) == alone
     assert step([3, 2, 1, 0], asks[::-1]) == alone[::-1]
+
+
+def test_stages_of_cuts_with_other_program_sets_are_refused_naming_them(tmp_path):
+    """Two cuts at the same point whose decode buckets differ have two cut ids (the id covers
+    every program), and a pipeline of one's stage 0 and the other's stage 1 is refused, naming
+    each stage's programs."""
+    from kernjax.runtime.runner import StageError
+    ref = {"model": "qwen3-tiny", "seed": 0, "dtype": "float32"}
+    arts = {}
+    for name, decode in (("a", (1,)), ("b", (1, 4))):
+        progs = artifact.programs(FAM, CFG, dtype="float32", rows=16, seqs=2, context=64,
+                                  decode=decode)
+        sets = cut.cut_all(progs, [progs[artifact.DEFAULT].layers[2]])
+        meta = dict(model=artifact.model_meta(FAM, CFG), checkpoint=ref, dtype="float32",
+                    item=artifact.items(FAM, CFG, progs))
+        artifact.write_cut(tmp_path / name, [{k: sets[k][s] for k in progs} for s in range(2)],
+                           meta)
+        arts[name] = [artifact.read(tmp_path / name / f"stage{s}") for s in range(2)]
+    assert arts["a"][0].cut_id != arts["b"][0].cut_id
+    ckpt, cache = checkpoint_dir(ref), {}
+    runners = [Runner(a, load_weights(a, ckpt, cache=cache)) for a in (arts["a"][0],
+                                                                        arts["b"][1])]
+    with pytest.raises(StageError, match="their programs differ") as e:
+        Pipeline(runners)
+    assert "prefill, score, decode1;" in str(e.value) and "decode1, decode4" in str(e.value)

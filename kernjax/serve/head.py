@@ -652,19 +652,24 @@ class Head:
         if "logprob" in out:
             data.update(logprob=float(out["logprob"][i]), top_ids=out["top_ids"][i].tolist(),
                         top_logprobs=out["top_logprobs"][i].tolist())
+        if finish:  # pages back before the client hears: one that has its answer sees them free
+            self._free(r)
         r.say("token", data)  # a last token says so: its client need not wait for `done`
         if self.metrics:
             self.metrics.generated.inc()
         if finish:
             self._end(r, finish, now)
 
-    def _end(self, r: Seq, reason: str, now: float) -> None:
-        r.ended = True
+    def _free(self, r: Seq) -> None:
         if r in self.live:
             self.live.remove(r)
         if r.lease is not None:
             self.pool.release(r.lease)
             r.lease = None
+
+    def _end(self, r: Seq, reason: str, now: float) -> None:
+        r.ended = True
+        self._free(r)
         r.say("done", {"finish_reason": reason, "seconds": now - r.arrived,
                        "tokens": r.made, "prompt_tokens": r.prompt})
 
