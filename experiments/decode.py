@@ -11,6 +11,7 @@ of wall time, every 2-stage answer checked equal to the whole's, token for token
 logprob.
 
   python -m experiments.decode --model qwen3-tiny --out OUT
+  python -m experiments.decode --model qwen3-4b --chunk 512 --at 18 --out OUT   # a GPU
 """
 
 from __future__ import annotations
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--new", type=int, default=32, help="tokens each request generates")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--at", default=None, help="the 2-stage cut (default: half the layers)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -142,7 +144,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
         subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", args.model, "--at",
-                        "2", "--chunk", str(args.chunk), "--seqs", "4", "--context", "1024",
+                        args.at or str(cfg.layers // 2), "--chunk", str(args.chunk), "--seqs", "4", "--context", "1024",
                         "--pages", str(max(pages, 4 * -(-1024 // fam.page(cfg)) + 1)),
                         "--decode", ",".join(str(b) for b in sorted({1, *batches})),
                         "--out", str(tmp / "cut")], check=True, stdout=subprocess.DEVNULL)

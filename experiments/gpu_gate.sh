@@ -10,7 +10,8 @@
 #              each, all at once); each stopped after $TEST_SECONDS (900)
 #   gates      `chain` beside `tests` in three groups ($TEST_GROUPS; $TEST_SECONDS 420)
 #   chain      qwen3-4b bf16 cut at each of $ATS ("18 c221 c226 c227 12,24") and chained on the
-#              7 prompts at each of $CHUNKS ("512 64"): whole = stages, bit for bit
+#              7 prompts at each of $CHUNKS ("512 64"): whole = stages, bit for bit, in prefill,
+#              scoring and $CHAIN_DECODE's (1) decode buckets
 #   k3         the same for k3-mini-gpu, cut at 4 and 2,6, at each of $CHUNKS
 #   prefill    experiments.prefill into $OUT/prefill: the rows of $PROFILE (8192) profiled,
 #              $SECOND_START (8192) compiled again by a second process, $INTERLEAVE
@@ -184,7 +185,7 @@ for step in "$@"; do
 tests/test_serve.py tests/test_serve_link.py tests/test_http.py;\
 tests/test_attention_pallas.py tests/test_attention.py tests/test_attention_hopper.py;\
 tests/test_mlp_hopper.py tests/test_dense_cuda.py tests/test_processes.py tests/test_parity.py tests/test_cut.py tests/test_ffi.py \
-tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
+tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tests/test_generate.py}" \
       bash experiments/gpu_gate.sh tests > /dev/null 2>&1
     wait
     grep -hE "^cut |PASS|FAIL|differ|exited|passed|failed|stopped|Error" "$OUT/chains/gate.log" \
@@ -195,7 +196,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py}" \
       for at in ${ATS:-18 c221 c226 c227 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
-        kernjax cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --out "cuts/$at-$c" \
+        kernjax cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --decode "${CHAIN_DECODE:-1}" --out "cuts/$at-$c" \
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
         kernjax chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \

@@ -34,7 +34,7 @@ from kernjax.core import lowering
 from kernjax.kernels import ffi
 from kernjax.core.cut import Stage
 from kernjax.core.item import Shape
-from kernjax.core.trace import Slot
+from kernjax.core.trace import Slot, jaxpr_text
 from kernjax.kernels.lower import as_function
 
 FORMAT = 3  # 3: several programs per stage; 2: the lowering table in the manifest and the cut id
@@ -255,17 +255,21 @@ def _write(path: Path, stage, *, item, derive=None, **meta) -> Path:
     if derive is None:  # the family's derive program, its weights made in the stage's dtype
         derive = _family_derive(meta["model"], meta["dtype"])
     m = manifest(stages, **meta)
-    made: dict[tuple, str] = {}  # a program's text and slots -> the file that holds it
+    # a program's slots -> the stages written with them and their files; a stage whose slots and
+    # text are another's shares its file (its text printed only where the slots are the same)
+    made: dict[str, list[tuple[Stage, str]]] = {}
     for name, st in stages.items():
         e = _entry(st, items[name])
-        key = (str(st.jaxpr), json.dumps({k: e[k] for k in ("inputs", "arrivals", "departures",
-                                                            "outputs")}))
-        if key not in made:
+        slots = json.dumps({k: e[k] for k in ("inputs", "arrivals", "departures", "outputs")})
+        file = next((f for o, f in made.get(slots, ())
+                     if jaxpr_text(o.jaxpr) == jaxpr_text(st.jaxpr)), None)
+        if file is None:
             blob = bytes(export_stage(st).serialize())
-            made[key] = PROGRAM if not made else f"program-{name}.jaxexport"
-            (path / made[key]).write_bytes(blob)
-            m.setdefault("files", {})[made[key]] = hashlib.sha256(blob).hexdigest()
-        e["file"] = made[key]
+            file = PROGRAM if not made else f"program-{name}.jaxexport"
+            made.setdefault(slots, []).append((st, file))
+            (path / file).write_bytes(blob)
+            m.setdefault("files", {})[file] = hashlib.sha256(blob).hexdigest()
+        e["file"] = file
         if name == DEFAULT and st.stages > 1:
             try:
                 edged = bytes(export_stage(st, edged=True).serialize())

@@ -157,7 +157,7 @@ def _cli(*args, **kw):
 
 def test_cli_cut_then_chain_passes(tmp_path):
     p = _cli("cut", "--model", "qwen3-tiny", "--at", "1,c32", "--out", str(tmp_path / "st"),
-             "--chunk", "64", "--context", "2560")
+             "--chunk", "64", "--context", "2560", "--decode", "1")
     assert p.returncode == 0, p.stderr
     assert "stage 2: calls 32..51" in p.stdout and "into 3 stages" in p.stdout
     f = tmp_path / "prompts.txt"
@@ -175,7 +175,7 @@ def test_cli_run_whole_and_stages_agree(tmp_path):
     prompt = prompts(16, CFG.vocab)[4]
     context = -(-len(prompt) // 16) * 16
     assert _cli("cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
-                "16", "--seqs", "1", "--context", str(context)).returncode == 0
+                "16", "--seqs", "1", "--context", str(context), "--decode", "1").returncode == 0
     toks = " ".join(map(str, prompt))
     a = _cli("run", "--model", "qwen3-tiny", "--tokens", toks, "--chunk", "16",
              "--save", str(tmp_path / "a.npz"))
@@ -213,7 +213,7 @@ def test_cli_refusals_exit_nonzero_with_a_message(args, message, tmp_path):
 def test_dtype_contradicting_the_artifact_is_refused(tmp_path):
     st = tmp_path / "st"
     assert _cli("cut", "--model", "qwen3-tiny", "--at", "2", "--out", str(st), "--chunk",
-                "16", "--context", "64").returncode == 0
+                "16", "--context", "64", "--decode", "1").returncode == 0
     p = _cli("run", "--stages", str(st), "--tokens", "1 2 3", "--dtype", "float32")
     assert p.returncode == 2 and "--dtype float32 contradicts" in p.stderr, p.stderr
     f = tmp_path / "p.txt"

@@ -343,7 +343,7 @@ def test_a_stage_read_from_disk_registers_the_extension_targets(tmp_path):
     if not ffi.available():
         pytest.skip("the extension is not built")
     subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "qwen3-tiny", "--at", "2",
-                    "--out", str(tmp_path / "cut")], check=True, capture_output=True)
+                    "--decode", "1", "--out", str(tmp_path / "cut")], check=True, capture_output=True)
     probe = ("import sys; from kernjax import artifact; artifact.read(sys.argv[1]); "
              "f = sys.modules['kernjax.kernels.ffi']; print(f._registered)")
     out = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "cut" / "stage1")],

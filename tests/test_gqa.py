@@ -77,7 +77,7 @@ def cuts(tmp_path_factory):
             out = tmp_path_factory.mktemp(f"{model}-{chunk}")
             p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", model, "--at",
                                 "1", "--dtype", DTYPE, "--chunk", str(chunk), "--seqs", "1",
-                                "--context", str(CONTEXT), "--out", str(out)],
+                                "--context", str(CONTEXT), "--decode", "1", "--out", str(out)],
                                capture_output=True, text=True)
             assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
             arts = {n: artifacts.read(out / n) for n in ("whole", "stage0", "stage1")}

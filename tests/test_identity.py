@@ -15,7 +15,7 @@ from kernjax.core import lowering
 from kernjax.core.cut import cut, cut_id, table, whole
 from kernjax import models
 
-SMALL = ["--model", "qwen3-tiny", "--at", "2", "--chunk", "16", "--context", "64"]
+SMALL = ["--model", "qwen3-tiny", "--at", "2", "--chunk", "16", "--context", "64", "--decode", "1"]
 
 
 def _kj(*args, cwd):

@@ -242,7 +242,8 @@ def test_two_stage_serving_answers_like_the_single_process_server(tmp_path, proc
 
     out = tmp_path / "cut"
     p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "k3-mini", "--at", "2",
-                        "--chunk", "32", "--seqs", "4", "--context", "512", "--out", str(out)],
+                        "--chunk", "32", "--seqs", "4", "--context", "512", "--decode", "1",
+                        "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     rng = np.random.default_rng(7)

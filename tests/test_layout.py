@@ -160,7 +160,7 @@ def test_a_cut_runs_chains_and_serves_with_the_model_code_unimportable(tmp_path)
                                     env=env, timeout=300)
     assert run("weights", "random", "--model", "qwen3-tiny", "--out", "ck").returncode == 0
     p = run("cut", "--weights", "ck", "--at", "2", "--out", "st", "--chunk", "16",
-            "--context", "64")
+            "--context", "64", "--decode", "1")
     assert p.returncode == 0, p.stderr
     assert json.loads((tmp_path / "st" / "stage0" / "manifest.json").read_text())["derive"][
         "recipes"], "qwen3's fused qkv is derived at load"

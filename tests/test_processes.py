@@ -30,7 +30,7 @@ def test_whole_and_stages_in_separate_processes_give_the_same_bytes(tmp_path):
            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0"}
     py = [sys.executable, "-m", "kernjax"]
     subprocess.run([*py, "cut", "--model", model, "--dtype", "bfloat16", "--at", at,
-                    "--chunk", str(chunk), "--seqs", "1", "--context", "2048",
+                    "--chunk", str(chunk), "--seqs", "1", "--context", "2048", "--decode", "1",
                     "--out", str(tmp_path / "cut")], env=env, check=True, capture_output=True)
     (tmp_path / "w").mkdir()
     (tmp_path / "w" / "stage0").symlink_to(tmp_path / "cut" / "whole")

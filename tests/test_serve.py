@@ -29,7 +29,8 @@ LENGTHS = [1, 31, 32, 33, 100, 200, 500]
 
 def _cut(out: Path, at: str) -> Path:
     p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", "qwen3-tiny", "--at", at,
-                        "--chunk", "32", "--seqs", "4", "--context", str(CONTEXT), "--out", str(out)],
+                        "--chunk", "32", "--seqs", "4", "--context", str(CONTEXT), "--decode", "1,4",
+                        "--out", str(out)],
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr
     return out

@@ -94,6 +94,11 @@ def cut(program: Program, at: Sequence[int], *,
     Raises:
       CutError: listing every reason the points cannot cut this program.
     """
+    return _cut(program, at, table(lowering))
+
+
+def _cut(program: Program, at: Sequence[int], table_: dict,
+         cid: str | None = None) -> tuple[Stage, ...]:
     n, at = len(program.calls), [int(a) for a in at]
     errs = []
     if not at:
@@ -110,7 +115,7 @@ def cut(program: Program, at: Sequence[int], *,
             errs.append(f"cut points {a} and {b} are not increasing; each stage needs a call")
     if errs:
         raise CutError(errs)
-    return _partition(program, [0, *at, n], tuple(at), table(lowering))
+    return _partition(program, [0, *at, n], tuple(at), table_, cid)
 
 
 def cut_all(programs: Mapping[str, Program], at: Sequence[int], *,
@@ -128,9 +133,13 @@ def cut_all(programs: Mapping[str, Program], at: Sequence[int], *,
     ref = programs[names[0]]
     at = [int(a) for a in at]
     errs = []
+    t = table(lowering)
+    cid = cut_id(programs, at, t)
+    out = {}
     for name in names:
         try:
-            cut(programs[name], at, lowering=lowering)
+            out[name] = tuple(dataclasses.replace(st, program=name)
+                              for st in _cut(programs[name], at, t, cid))
         except CutError as e:
             errs += [f"program `{name}`: {r}" for r in e.reasons]
     end = max(at, default=0)
@@ -144,11 +153,7 @@ def cut_all(programs: Mapping[str, Program], at: Sequence[int], *,
                         "must share the calls of every stage but the last")
     if errs:
         raise CutError(sorted(set(errs), key=errs.index))
-    t = table(lowering)
-    bounds = lambda p: [0, *at, len(p.calls)]  # noqa: E731
-    cid = cut_id(programs, at, t)
-    return {n: tuple(dataclasses.replace(st, cut_id=cid, program=n)
-                     for st in _partition(p, bounds(p), tuple(at), t)) for n, p in programs.items()}
+    return out
 
 
 def whole_all(programs: Mapping[str, Program], *,
@@ -156,8 +161,8 @@ def whole_all(programs: Mapping[str, Program], *,
     """Every program of a set uncut, one stage each, with one cut id over all (`cut_all`)."""
     t = table(lowering)
     cid = cut_id(programs, (), t)
-    return {n: dataclasses.replace(_partition(p, [0, len(p.calls)], (), t)[0], cut_id=cid,
-                                   program=n) for n, p in programs.items()}
+    return {n: dataclasses.replace(_partition(p, [0, len(p.calls)], (), t, cid)[0], program=n)
+            for n, p in programs.items()}
 
 
 def balanced(ms: Sequence[float], stages: int, banned: frozenset[int] = frozenset()) -> list[int]:
@@ -196,7 +201,7 @@ def whole(program: Program, *, lowering: lowering.Lowering | None = None) -> Sta
 
 
 def _partition(program: Program, bounds: list[int], points: tuple[int, ...],
-               table_: dict) -> tuple[Stage, ...]:
+               table_: dict, cid: str | None = None) -> tuple[Stage, ...]:
     jp, calls = program.jaxpr.jaxpr, program.calls
     eqns, nst = jp.eqns, len(bounds) - 1
     stage_of = np.repeat(np.arange(nst), np.diff(bounds))
@@ -273,7 +278,7 @@ def _partition(program: Program, bounds: list[int], points: tuple[int, ...],
         k, j = made[v]
         return Slot(f"{calls[k]}:{j}", role, str(v.aval.dtype), tuple(v.aval.shape))
 
-    cid = cut_id(program, points, table_)
+    cid = cid or cut_id(program, points, table_)
     stages = []
     for s in range(nst):
         lo, hi = bounds[s], bounds[s + 1]

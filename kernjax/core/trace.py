@@ -27,6 +27,7 @@ Tracing needs shapes only (`jax.ShapeDtypeStruct`), never weights.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 
 import jax
@@ -94,7 +95,19 @@ class Program:
     def text(self) -> str:
         """The program as text: the jaxpr and the roles. Stable across processes; the cut id hashes it."""
         roles = "\n".join(f"{s.role} {s.name}" for s in (*self.inputs, *self.outputs))
-        return f"{self.jaxpr}\n{roles}\n"
+        return f"{jaxpr_text(self.jaxpr)}\n{roles}\n"
+
+
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def jaxpr_text(jaxpr: jex.ClosedJaxpr) -> str:
+    """`str(jaxpr)`, printed once per jaxpr object (a cut hashes and compares its programs'
+    texts several times; printing a model's jaxpr takes a good part of a second)."""
+    text = _TEXTS.get(jaxpr)
+    if text is None:
+        text = _TEXTS[jaxpr] = str(jaxpr)
+    return text
 
 
 _ON_GPU: dict[tuple[str, ...], tuple[Callable, bool]] = {}  # names: (fn or rule, is a rule)

@@ -118,47 +118,67 @@ def item_rows(positions, cu_seqlens, page_table, *, page: int, block: int, own_a
     return table, own, valid, needed
 
 
+TILE = 16  # the rows of every attention GEMM on the blockwise route
+
+
 def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: int = 128):
     """Online-softmax attention in plain JAX, `block` keys at a time, over the needed blocks only.
 
-    Each row reads its own sequence's keys of the block, and its scores and values are dots
-    batched over the rows, so a row's arithmetic is the same whichever slot its sequence has in
-    the item and however many rows and sequences the item holds (XLA's CPU GEMMs order a row's
-    sum by the whole problem's shape; a batched dot gives each row its own).
+    Each block is GEMMs of TILE rows per (kv head, sequence): every row against that sequence's
+    keys, then each row *selects* its own sequence's scores (never sums over sequences), and
+    likewise for the values. Every GEMM has the same M, N and K (TILE, the block, the head size)
+    whatever the item holds, batched so none is merged with another: a row's arithmetic is the
+    same whichever slot its sequence has and however many rows and sequences the item holds
+    (XLA's CPU GEMMs order a row's sum by the problem's shape: M, N and how a batch is merged).
     """
     rows, heads, d = q.shape
     kvh = kv.shape[3]
     g = heads // kvh
-    page = kv.shape[1]
+    seqs, page = page_table.shape[0], kv.shape[1]
     per = block // page
     table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, page=page,
-                                          block=block, own_at=slice(None))
-    qg = q.reshape(rows, kvh, g, d)
+                                          block=block, own_at=(None, None, slice(None), None, None))
     f32 = jnp.float32
     prec = exact(q.dtype)
+    m = rows * g
+    tiles = -(-m // TILE)
+    qg = q.reshape(rows, kvh, g, d).transpose(1, 0, 2, 3).reshape(kvh, 1, m, d)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tiles * TILE - m), (0, 0)))
+    qg = jnp.broadcast_to(qg.reshape(kvh, 1, tiles, TILE, d), (kvh, seqs, tiles, TILE, d))
+
+    def each(x):  # a block's [kvh, seqs, n, d] as every tile's operand: [kvh, seqs, tiles, n, d]
+        return jnp.broadcast_to(x[:, :, None], (kvh, seqs, tiles, *x.shape[2:]))
+
+    def per_row(x):  # [kvh, seqs, tiles, TILE, n] -> each row's own sequence's [kvh, rows, g, n]
+        x = x.reshape(kvh, seqs, tiles * TILE, x.shape[-1])[:, :, :m]
+        return jnp.take_along_axis(x.reshape(kvh, seqs, rows, g, x.shape[-1]), own, axis=1)[:, 0]
 
     def step(b, carry):
-        m, l, acc = carry
-        pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)[own]  # [rows, per]
-        blk = kv[pages].reshape(rows, block, 2, kvh, d)
-        s = jnp.einsum("rkgd,rbkd->rkgb", qg, blk[:, :, 0], preferred_element_type=f32,
-                       precision=prec) * scale
+        mx, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)
+        blk = kv[pages].reshape(seqs, block, 2, kvh, d).transpose(2, 3, 0, 1, 4)  # [2,kvh,s,b,d]
+        s = per_row(jnp.einsum("kstmd,kstbd->kstmb", qg, each(blk[0]),
+                               preferred_element_type=f32, precision=prec)) * scale
         key = b * block + jnp.arange(block)
-        mask = (valid[:, None] & (key[None, :] <= positions[:, None]))[:, None, None, :]
+        mask = (valid[:, None] & (key[None, :] <= positions[:, None]))[None, :, None, :]
         s = jnp.where(mask, s, NEG)
-        m_new = jnp.maximum(m, s.max(-1))
+        m_new = jnp.maximum(mx, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        pv = jnp.einsum("rkgb,rbkd->rkgd", p.astype(q.dtype), blk[:, :, 1],
-                        preferred_element_type=f32, precision=prec)
+        alpha = jnp.exp(mx - m_new)
+        pm = jnp.pad(p.astype(q.dtype).reshape(kvh, 1, m, block),
+                     ((0, 0), (0, 0), (0, tiles * TILE - m), (0, 0)))
+        pm = jnp.broadcast_to(pm.reshape(kvh, 1, tiles, TILE, block),
+                              (kvh, seqs, tiles, TILE, block))
+        pv = per_row(jnp.einsum("kstmb,kstbd->kstmd", pm, each(blk[1]),
+                                preferred_element_type=f32, precision=prec))
         return m_new, l * alpha + rowsum(p), acc * alpha[..., None] + pv
 
-    init = (jnp.full((rows, kvh, g), NEG, f32), jnp.zeros((rows, kvh, g), f32),
-            jnp.zeros((rows, kvh, g, d), f32))
+    init = (jnp.full((kvh, rows, g), NEG, f32), jnp.zeros((kvh, rows, g), f32),
+            jnp.zeros((kvh, rows, g, d), f32))
     _, l, acc = jax.lax.fori_loop(0, needed, step, init)
     o = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    o = jnp.where(valid[:, None, None, None], o, 0.0).astype(q.dtype)
-    return o.reshape(rows, heads, d)
+    o = jnp.where(valid[None, :, None, None], o, 0.0).astype(q.dtype)
+    return o.transpose(1, 0, 2, 3).reshape(rows, heads, d)
 
 
 def reference(kv, q, positions, cu_seqlens, page_table, *, scale: float):
