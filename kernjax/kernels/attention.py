@@ -118,18 +118,20 @@ def item_rows(positions, cu_seqlens, page_table, *, page: int, block: int, own_a
     return table, own, valid, needed
 
 
-TILE = 16  # the rows of every attention GEMM on the blockwise route
+TILE = 8  # the query rows of every attention GEMM on the blockwise route (each g heads)
 
 
 def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: int = 128):
     """Online-softmax attention in plain JAX, `block` keys at a time, over the needed blocks only.
 
-    Each block is GEMMs of TILE rows per (kv head, sequence): every row against that sequence's
-    keys, then each row *selects* its own sequence's scores (never sums over sequences), and
-    likewise for the values. Every GEMM has the same M, N and K (TILE, the block, the head size)
-    whatever the item holds, batched so none is merged with another: a row's arithmetic is the
-    same whichever slot its sequence has and however many rows and sequences the item holds
-    (XLA's CPU GEMMs order a row's sum by the problem's shape: M, N and how a batch is merged).
+    Each block is GEMMs of TILE query rows (their g heads of one kv head) against the keys of
+    each sequence the tile's rows may belong to; each row then *selects* its own sequence's
+    scores (never sums over sequences), and likewise for the values. Every GEMM has the same M, N
+    and K (TILE * g, the block, the head size) whatever the item holds, batched so none is merged
+    with another: a row's arithmetic is the same whichever slot its sequence has and however many
+    rows and sequences the item holds (XLA's CPU GEMMs order a row's sum by the problem's shape).
+    Measured exception: with g = 3, a row of an item of at most 3 rows is 1 ulp off the same
+    row in a larger item (`tests/test_attention.py`).
     """
     rows, heads, d = q.shape
     kvh = kv.shape[3]
@@ -137,40 +139,56 @@ def blockwise(kv, q, positions, cu_seqlens, page_table, *, scale: float, block: 
     seqs, page = page_table.shape[0], kv.shape[1]
     per = block // page
     table, own, valid, needed = item_rows(positions, cu_seqlens, page_table, page=page,
-                                          block=block, own_at=(None, None, slice(None), None, None))
+                                          block=block, own_at=slice(None))
     f32 = jnp.float32
     prec = exact(q.dtype)
-    m = rows * g
-    tiles = -(-m // TILE)
-    qg = q.reshape(rows, kvh, g, d).transpose(1, 0, 2, 3).reshape(kvh, 1, m, d)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, tiles * TILE - m), (0, 0)))
-    qg = jnp.broadcast_to(qg.reshape(kvh, 1, tiles, TILE, d), (kvh, seqs, tiles, TILE, d))
+    m = rows * g  # the GEMMs' rows: each query row's g heads of one kv head
+    tile = TILE * g  # whole query rows a tile
+    tiles = -(-m // tile)
+    # A tile's rows belong to consecutive sequences, at most `near` of them: each tile is
+    # multiplied by the keys of the `near` sequences from its first row's on
+    near = -(-tile // g) + 1
+    # with few sequences, each tile takes every sequence's keys, broadcast rather than gathered
+    # (the same GEMMs and more of them: the bits are the same either way)
+    every = seqs <= 2 * near
+    near = seqs if every else near
+    at = jnp.arange(m)
+    if every:
+        pick = own[at // g]
+    else:
+        first = own[jnp.minimum(jnp.arange(tiles) * tile // g, rows - 1)]
+        cand = jnp.minimum(first[:, None] + jnp.arange(near), seqs - 1)  # [tiles, near]
+        pick = jnp.clip(own[at // g] - first[at // tile], 0, near - 1)
+    pick = pick[None, :, None, None]
+    qg = q.reshape(rows, kvh, g, d).transpose(1, 0, 2, 3).reshape(kvh, m, d)
+    qg = jnp.pad(qg, ((0, 0), (0, tiles * tile - m), (0, 0)))
+    qg = jnp.broadcast_to(qg.reshape(kvh, tiles, 1, tile, d), (kvh, tiles, near, tile, d))
 
-    def each(x):  # a block's [kvh, seqs, n, d] as every tile's operand: [kvh, seqs, tiles, n, d]
-        return jnp.broadcast_to(x[:, :, None], (kvh, seqs, tiles, *x.shape[2:]))
-
-    def per_row(x):  # [kvh, seqs, tiles, TILE, n] -> each row's own sequence's [kvh, rows, g, n]
-        x = x.reshape(kvh, seqs, tiles * TILE, x.shape[-1])[:, :, :m]
-        return jnp.take_along_axis(x.reshape(kvh, seqs, rows, g, x.shape[-1]), own, axis=1)[:, 0]
+    def per_row(x):  # [kvh, tiles, near, tile, n] -> each row's own sequence's [kvh, rows, g, n]
+        x = x.transpose(0, 1, 3, 2, 4).reshape(kvh, tiles * tile, near, x.shape[-1])[:, :m]
+        return jnp.take_along_axis(x, pick, axis=2)[:, :, 0].reshape(kvh, rows, g, x.shape[-1])
 
     def step(b, carry):
         mx, l, acc = carry
         pages = jax.lax.dynamic_slice_in_dim(table, b * per, per, axis=1)
-        blk = kv[pages].reshape(seqs, block, 2, kvh, d).transpose(2, 3, 0, 1, 4)  # [2,kvh,s,b,d]
-        s = per_row(jnp.einsum("kstmd,kstbd->kstmb", qg, each(blk[0]),
-                               preferred_element_type=f32, precision=prec)) * scale
+        blk = kv[pages].reshape(seqs, block, 2, kvh, d)
+        blk = (jnp.broadcast_to(blk, (tiles, *blk.shape)) if every
+               else blk[cand])  # [tiles, near, b, 2, kvh, d]
+        blk = blk.transpose(3, 4, 0, 1, 2, 5)  # [2, kvh, tiles, near, b, d]
+        s = per_row(jnp.einsum("ktumd,ktubd->ktumb", qg, blk[0], preferred_element_type=f32,
+                               precision=prec)) * scale
         key = b * block + jnp.arange(block)
         mask = (valid[:, None] & (key[None, :] <= positions[:, None]))[None, :, None, :]
         s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(mx, s.max(-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         alpha = jnp.exp(mx - m_new)
-        pm = jnp.pad(p.astype(q.dtype).reshape(kvh, 1, m, block),
-                     ((0, 0), (0, 0), (0, tiles * TILE - m), (0, 0)))
-        pm = jnp.broadcast_to(pm.reshape(kvh, 1, tiles, TILE, block),
-                              (kvh, seqs, tiles, TILE, block))
-        pv = per_row(jnp.einsum("kstmb,kstbd->kstmd", pm, each(blk[1]),
-                                preferred_element_type=f32, precision=prec))
+        pm = jnp.pad(p.astype(q.dtype).reshape(kvh, m, block),
+                     ((0, 0), (0, tiles * tile - m), (0, 0)))
+        pm = jnp.broadcast_to(pm.reshape(kvh, tiles, 1, tile, block),
+                              (kvh, tiles, near, tile, block))
+        pv = per_row(jnp.einsum("ktumb,ktubd->ktumd", pm, blk[1], preferred_element_type=f32,
+                                precision=prec))
         return m_new, l * alpha + rowsum(p), acc * alpha[..., None] + pv
 
     init = (jnp.full((kvh, rows, g), NEG, f32), jnp.zeros((kvh, rows, g), f32),
