@@ -23,10 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import transformers
 from transformers import Qwen3ForCausalLM
 
-from experiments.hf_goldens import LENGTHS, PROMPT_SEED, prompts, sha256s
+from experiments.hf_goldens import LENGTHS, PROMPT_SEED, prompts, save, sha256s
 
 NEW = 16
 
@@ -65,12 +64,7 @@ def main() -> None:
         print(f"prompt {k}: {len(toks)} tokens; generated {made.tolist()}; least margin "
               f"{out[f'margin_{k}'].min():.3g}")
     out["checkpoint_sha256"] = np.asarray(json.dumps(sha256s(ckpt), sort_keys=True))
-    out["versions"] = np.asarray(json.dumps({"transformers": transformers.__version__,
-                                             "torch": torch.__version__,
-                                             "numpy": np.__version__}, sort_keys=True))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.out, **out)
-    print(f"wrote {args.out} ({Path(args.out).stat().st_size} bytes)")
+    save(out, args.out)
 
 
 if __name__ == "__main__":

@@ -63,6 +63,16 @@ def sha256s(ckpt: Path) -> dict[str, str]:
             for p in sorted(ckpt.glob("*.safetensors"))}
 
 
+def save(out: dict, path: str) -> None:
+    """Writes the goldens `out` to `path` (.npz) with the versions that made them."""
+    out["versions"] = np.asarray(json.dumps({"transformers": transformers.__version__,
+                                             "torch": torch.__version__,
+                                             "numpy": np.__version__}, sort_keys=True))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    np.savez_compressed(path, **out)
+    print(f"wrote {path} ({Path(path).stat().st_size} bytes)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--checkpoint", required=True, help="a Hugging Face checkpoint directory")
@@ -101,12 +111,7 @@ def main() -> None:
               f"{int(out[f'argmax_{k}'][-1])}")
     out["checkpoint_sha256"] = np.asarray(json.dumps(sha256s(ckpt), sort_keys=True))
     out["config"] = np.asarray(json.dumps(cfg, sort_keys=True))
-    out["versions"] = np.asarray(json.dumps({"transformers": transformers.__version__,
-                                             "torch": torch.__version__,
-                                             "numpy": np.__version__}, sort_keys=True))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    np.savez_compressed(args.out, **out)
-    print(f"wrote {args.out} ({Path(args.out).stat().st_size} bytes)")
+    save(out, args.out)
 
 
 if __name__ == "__main__":
