@@ -99,6 +99,9 @@ class Metrics:
                              "or a place", registry=r)
         self.preemptions = Counter("kernjax_preemptions", "Sequences whose pages were taken back "
                                    "to be recomputed later", registry=r)
+        self.in_progress = Gauge("kernjax_http_in_progress", "Requests in progress, counted "
+                                 "against --max_connections (all but /health and /metrics)",
+                                 registry=r)
 
     def memory(self, stage: int, m: dict) -> None:
         for kind in ("weights", "states", "peak", "program"):
@@ -532,6 +535,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
             resp.force_close()
             return resp
         busy["now"] += counted
+        metrics.in_progress.set(busy["now"])
         try:
             auth = request.headers.get("Authorization", "")
             if counted and api_key and not hmac.compare_digest(auth.encode(),
@@ -548,6 +552,7 @@ def make_app(head: Head, *, name: str, vocab: int, tokenizer=None, metrics: Metr
                                         f"server answers {ENDPOINTS}", allow=e.allowed_methods)
         finally:
             busy["now"] -= counted
+            metrics.in_progress.set(busy["now"])
             if busy["refused"] and busy["now"] < cap:
                 log.warning("http: below --max_connections %d again; refused %d request%s",
                             cap, busy["refused"], "s" * (busy["refused"] != 1))
