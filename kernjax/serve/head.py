@@ -441,9 +441,7 @@ class Head:
             self.fail(f"the head's scheduler failed: {type(e).__name__}: {e}")
 
     def _drop(self, r: Seq, why: Refused) -> None:
-        if r.lease is not None:
-            self.pool.release(r.lease)
-            r.lease = None
+        self._free(r)
         r.ended = True
         r.say("error", why)
 
@@ -661,11 +659,14 @@ class Head:
             self._end(r, finish, now)
 
     def _free(self, r: Seq) -> None:
+        """`r`'s pages back in the pool, and the gauges say so before its client hears more."""
         if r in self.live:
             self.live.remove(r)
         if r.lease is not None:
             self.pool.release(r.lease)
             r.lease = None
+        if self.metrics:
+            self._gauges()
 
     def _end(self, r: Seq, reason: str, now: float) -> None:
         r.ended = True
