@@ -353,8 +353,12 @@ def test_requests_over_the_cap_get_503_logged_once(head, caplog):
         async with client(head, max_connections=2, body_timeout=1.5) as c:
             slow = [asyncio.create_task(raw(c, request("/v1/completions", 50, b"{")))
                     for _ in range(2)]
-            while "kernjax_http_in_progress 2.0" not in await (await c.get("/metrics")).text():
-                await asyncio.sleep(0.01)  # until both are in progress (the body timeout ends them)
+            for _ in range(1000):  # until both are in progress (their body timeout ends them)
+                if "kernjax_http_in_progress 2.0" in await (await c.get("/metrics")).text():
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the two slow requests never were in progress together")
             over = [await post(c, {"prompt": [1]}) for _ in range(3)]
             health = (await c.get("/health")).status
             slow = await asyncio.gather(*slow)

@@ -345,9 +345,13 @@ def test_a_killed_stage_fails_in_flight_requests_with_503_and_every_process_exit
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
             tasks = [asyncio.create_task(_post(s, pipe.http, {"prompt": [1, 2, 3, i]}))
                      for i in range(5)]
-            while "kernjax_http_in_progress 5.0" not in await (await s.get(
-                    f"{pipe.http}/metrics")).text():
-                await asyncio.sleep(0.05)  # until all five are in flight
+            for _ in range(600):  # until all five are in flight
+                if "kernjax_http_in_progress 5.0" in await (await s.get(
+                        f"{pipe.http}/metrics")).text():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("the five requests never were in flight together")
             os.kill(pipe.procs[1].p.pid, signal.SIGKILL)
             return await asyncio.gather(*tasks)
     # answered (within the client's 60 s, far from a hang), each with a 503 naming the stage

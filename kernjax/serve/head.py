@@ -508,9 +508,8 @@ class Head:
         if len(self.live) < 2 or not cands:
             return
         r = cands[-1]
-        self.live.remove(r)
-        self.pool.release(r.lease)
-        r.lease, r.pos = None, 0
+        self._free(r)
+        r.pos = 0
         if r.scores is not None:  # its prompt is scored again from the start
             r.scores = []
         self.queue.appendleft(r)
@@ -630,8 +629,6 @@ class Head:
                     self._token(r, i, out, now)
                 elif r.ask.max_tokens == 0 and r.scores is None and not r.inflight:
                     self._end(r, "length", now)
-            if self.metrics:
-                self._gauges()
             self.cond.notify_all()
 
     def _token(self, r: Seq, i: int, out: dict, now: float) -> None:
