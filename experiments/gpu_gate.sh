@@ -30,6 +30,8 @@
 #   decode     experiments.decode: each program of a whole cut alone (prefill, score, decode
 #              buckets), then served whole and in 2 stages at $DECODE_BATCHES (1,16,64);
 #              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512)
+#   invariance experiments.invariance: a decode step alone against beside others in every
+#              program, under each of $INV_SETS (default; also cublaslt, notriton)
 #   clocks     experiments.clocks, $CLOCK_SECONDS (8) a phase
 #   attention  experiments.attention; $ATTN_FLAGS
 #   bounds     experiments.boundaries at each of $ROWS ("512 2048")
@@ -296,6 +298,22 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
       --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/decode" > "$OUT/logs/decode.log" 2>&1 \
       || echo "experiments.decode: exit $?" >> "$OUT/logs/decode.log"
     grep -E "^\||exit|score /" "$OUT/logs/decode.log" | say ;;
+  invariance)
+    # a decode step alone against beside others, in every decode bucket, the prefill chunk and
+    # the score chunk, under each of XLA's GEMM routes in $INV_SETS (as for `gemms`)
+    for g in ${INV_SETS:-default}; do
+      case $g in
+        default) f= ;;
+        cublaslt) f=--xla_gpu_enable_cublaslt=true ;;
+        notriton) f=--xla_gpu_enable_triton_gemm=false ;;
+        *) echo "unknown GEMM route $g (default, cublaslt, notriton)" | say; continue ;;
+      esac
+      log "batch invariance of a decode step, XLA's GEMM route $g"
+      XLA_FLAGS="${XLA_FLAGS:-} $f" python -m experiments.invariance --model "${DECODE_MODEL:-qwen3-4b}" \
+        --chunk "${DECODE_CHUNK:-512}" --out "$OUT/invariance-$g" > "$OUT/logs/invariance-$g.log" 2>&1 \
+        || echo "experiments.invariance: exit $?" >> "$OUT/logs/invariance-$g.log"
+      grep -E "^\||exit|PASS|FAIL|Error" "$OUT/logs/invariance-$g.log" | say
+    done ;;
   clocks)
     log "SM clock and power under GEMMs, the 8k prefill and attention"
     timeout 300 python -m experiments.clocks --seconds "${CLOCK_SECONDS:-8}" --out "$OUT/clocks" \

@@ -101,7 +101,8 @@ def _alone(args, i, rows, seqs):
 
 
 @pytest.mark.parametrize("group", [1, 2, 4, pytest.param(3, marks=pytest.mark.xfail(
-    strict=True, reason="open: with g = 3 a row of an item of 3 rows or fewer is 1 ulp off"))])
+    jax.default_backend() == "cpu", strict=True,
+    reason="open: on the CPU, with g = 3 a row of an item of 3 rows or fewer is 1 ulp off"))])
 def test_a_sequence_has_the_same_bits_in_any_company_on_either_route(group):
     """Many one-row sequences (a decode bucket: each tile takes the keys of the few sequences
     near it) and few (each tile takes every sequence's): a sequence's rows are the bytes it
