@@ -30,8 +30,9 @@
 #   decode     experiments.decode: each program of a whole cut alone (prefill, score, decode
 #              buckets), then served whole and in 2 stages at $DECODE_BATCHES (1,16,64);
 #              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512)
-#   invariance experiments.invariance: a decode step alone against beside others in every
-#              program, under each of $INV_SETS (default; also cublaslt, notriton)
+#   invariance experiments.invariance --locate: a decode step alone against beside others in every
+#              program, and the first call that differs, under each of $INV_SETS (default;
+#              also cublaslt, notriton)
 #   clocks     experiments.clocks, $CLOCK_SECONDS (8) a phase
 #   attention  experiments.attention; $ATTN_FLAGS
 #   bounds     experiments.boundaries at each of $ROWS ("512 2048")
@@ -310,7 +311,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
       esac
       log "batch invariance of a decode step, XLA's GEMM route $g"
       XLA_FLAGS="${XLA_FLAGS:-} $f" python -m experiments.invariance --model "${DECODE_MODEL:-qwen3-4b}" \
-        --chunk "${DECODE_CHUNK:-512}" --out "$OUT/invariance-$g" > "$OUT/logs/invariance-$g.log" 2>&1 \
+        --chunk "${DECODE_CHUNK:-512}" --locate --out "$OUT/invariance-$g" > "$OUT/logs/invariance-$g.log" 2>&1 \
         || echo "experiments.invariance: exit $?" >> "$OUT/logs/invariance-$g.log"
       grep -E "^\||exit|PASS|FAIL|Error" "$OUT/logs/invariance-$g.log" | say
     done ;;

@@ -1,10 +1,11 @@
-"""Whether a decode step's bits depend on its company, program by program, and where they part.
+"""Whether a decode step's bits depend on the program that runs it or on the rows beside it.
 
 A whole cut with its prefill chunk, score chunk and decode buckets; `--sequences` prompts
 prefilled; then each sequence's step (its prompt's last token) alone in the smallest decode
-bucket, against the same step (a) alone in each larger bucket (the GEMMs' M alone changes),
-(b) beside others in each bucket, in the prefill chunk and in the score chunk (the item changes
-too), and (c) alone again (the same call twice). A row per comparison: how many of the
+bucket, against the same step (a) alone again (the same call twice), (b) alone in each other
+program (only the GEMMs' M changes), (c) beside others in each decode bucket, the prefill chunk
+and the score chunk, against alone in that program (only the company changes) and against alone
+in the smallest bucket (both change, as in serving). A row per comparison: how many of the
 sequences' next tokens, log-probabilities and logits differ, and the largest logit difference.
 
     python -m experiments.invariance --model qwen3-tiny
@@ -24,12 +25,71 @@ from experiments import harness
 OUTS = ("next_token", "logprob", "top_ids", "logits")
 
 
+def by_call(prog, runner, item) -> list[tuple[str, list]]:
+    """`prog` (a traced Program) evaluated one top-level call at a time on the runner's weights
+    and states: each call's name and its outputs."""
+    import jax.extend.core as jex
+    jaxpr = prog.jaxpr.jaxpr
+    args = [runner.weights[s.name] if s.role == "weight" else
+            runner.states[s.name] if s.role == "state" else item[s.name] for s in prog.inputs]
+    env = dict(zip(jaxpr.constvars, prog.jaxpr.consts))
+    env.update(zip(jaxpr.invars, args))
+    out = []
+    for name, eqn in zip(prog.calls, jaxpr.eqns, strict=True):
+        ins = [v.val if isinstance(v, jex.Literal) else env[v] for v in eqn.invars]
+        params = dict(eqn.params)
+        if "donated_invars" in params:  # the runner's states stay whole
+            params["donated_invars"] = (False,) * len(params["donated_invars"])
+        got = eqn.primitive.bind(*ins, **params)
+        got = got if eqn.primitive.multiple_results else [got]
+        env.update(zip(eqn.outvars, got))
+        out.append((name, got))
+    return out
+
+
+def locate(traced, runner, item_of, small, differs, rep) -> dict | None:
+    """For each (program, sequences) beside others, the first call at which a sequence's rows
+    (outputs whose first axis is the item's rows or sequences) differ from its rows alone in
+    the smallest bucket."""
+    import numpy as np
+    first = None
+    rep.table("program", "beside", "first call that differs", "sequence", "its outputs",
+              right="lllll")
+    for program, idx in differs:
+        calls = by_call(traced[program], runner, item_of(idx, program))
+        sh = traced[program].rows, runner.art.programs[program].item.seqs
+        alone = {i: dict(by_call(traced[small], runner, item_of([i], small))) for i in idx}
+        hit = None
+        for c, (name, outs) in enumerate(calls):
+            for j, i in enumerate(idx):
+                for o, (x, y) in enumerate(zip(outs, alone[i].get(name, ()))):
+                    if not (x.ndim and y.ndim and x.shape[0] in sh and y.shape[0] in (1, 2)):
+                        continue
+                    if np.asarray(x[j]).tobytes() != np.asarray(y[0]).tobytes():
+                        hit = {"program": program, "beside": len(idx) - 1, "call": c,
+                               "name": name, "sequence": i, "output": o,
+                               "shape": list(x.shape)}
+                        break
+                if hit:
+                    break
+            if hit:
+                break
+        rep.row(program, len(idx) - 1, f"{hit['call']} `{hit['name']}`" if hit else "none",
+                hit["sequence"] if hit else "", f"output {hit['output']} {hit['shape']}"
+                if hit else "")
+        first = first or hit
+    return first
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen3-tiny")
     ap.add_argument("--chunk", type=int, default=64)
     ap.add_argument("--decode", default="1,4,16,64")
     ap.add_argument("--sequences", type=int, default=16)
+    ap.add_argument("--locate", action="store_true",
+                    help="evaluate each program beside others call by call against the smallest "
+                         "bucket alone: the first call whose output rows differ")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     import numpy as np
@@ -65,43 +125,59 @@ def main() -> None:
                 pipe.run(make_item([Piece(p[a:min(a + pipe.shape.rows, len(p) - 1)], a, pages[i])],
                                    pipe.shape))
 
-        def steps(idx, program):
+        def item_of(idx, program):
             pieces = [Piece(prompts[i][-1:], len(prompts[i]) - 1, pages[i]) for i in idx]
-            out = pipe.run(make_item(pieces, pipe.programs[program].item), program)
+            return make_item(pieces, pipe.programs[program].item)
+
+        def steps(idx, program):
+            out = pipe.run(item_of(idx, program), program)
             return {i: {k: np.asarray(out[k])[j] for k in OUTS} for j, i in enumerate(idx)}
 
         small = f"decode{buckets[0]}"
-        alone = {i: steps([i], small)[i] for i in range(n)}
         seats = {f"decode{b}": b for b in buckets}
         seats.update({"prefill": pipe.programs["prefill"].item.seqs})
         if "score" in pipe.programs:
             seats["score"] = pipe.programs["score"].item.seqs
-        rep.table("program", "beside", "sequences", "tokens differ", "logprobs differ",
-                  "logits differ", "largest |logit diff|", right="llrrrrr")
-        rows = []
+        alone = {p: {i: steps([i], p)[i] for i in range(n)} for p in seats}
+        rep.table("program", "beside", "against", "sequences", "tokens differ", "logprobs differ",
+                  "logits differ", "largest |logit diff|", right="lllrrrrr")
+        rows, differs, found = [], [], None
 
-        def compare(program, size, got):
-            d = {k: sum(got[i][k].tobytes() != alone[i][k].tobytes() for i in got) for k in OUTS}
+        def compare(program, size, against, got):
+            ref = alone[against]
+            d = {k: sum(got[i][k].tobytes() != ref[i][k].tobytes() for i in got) for k in OUTS}
             big = max(float(np.max(np.abs(got[i]["logits"].astype(np.float32)
-                                          - alone[i]["logits"].astype(np.float32)))) for i in got)
-            rows.append({"program": program, "beside": size - 1, "sequences": len(got), **d,
-                         "max_logit_diff": big})
-            rep.row(program, size - 1, len(got), d["next_token"], d["logprob"], d["logits"],
-                    f"{big:.3g}")
+                                          - ref[i]["logits"].astype(np.float32)))) for i in got)
+            rows.append({"program": program, "beside": size - 1, "against": f"alone in {against}",
+                         "sequences": len(got), **d, "max_logit_diff": big})
+            rep.row(program, size - 1, f"alone in {against}", len(got), d["next_token"],
+                    d["logprob"], d["logits"], f"{big:.3g}")
 
-        compare(small + " again", 1, {i: steps([i], small)[i] for i in range(n)})
+        # the same call twice; each program alone against the smallest bucket (only M changes);
+        # beside others against alone in the same program (only the company changes) and
+        # against alone in the smallest bucket (both change, as in serving)
+        compare(small, 1, small, {i: steps([i], small)[i] for i in range(n)})
         for program, seqs in seats.items():
             if program != small:
-                compare(program, 1, {i: steps([i], program)[i] for i in range(min(n, 4))})
+                compare(program, 1, small, alone[program])
             for size in sorted({min(seqs, n), min(seqs, n) // 2}):
                 if size > 1:
                     idx = [int(i) for i in rng.permutation(n)[:size]]
-                    compare(program, size, steps(idx, program))
+                    got = steps(idx, program)
+                    compare(program, size, program, got)
+                    if program != small:
+                        compare(program, size, small, got)
+                    differs.append((program, idx))
+        if args.locate:
+            traced = artifact.programs(fam, cfg, dtype=art.manifest["dtype"], rows=args.chunk,
+                                       seqs=4, context=256, pages=n * per_seq + 1,
+                                       decode=buckets)
+            found = locate(traced, pipe.runners[0], item_of, small, differs, rep)
     same = all(r[k] == 0 for r in rows for k in OUTS)
     rep.note("every step the same bits in every company" if same else
              "some steps differ with their company (above)")
     rep.write(harness.out_dir("invariance", args.out), rows=rows, model=args.model,
-              chunk=args.chunk, buckets=buckets, same=same)
+              chunk=args.chunk, buckets=buckets, same=same, located=found)
     print("PASS: batch invariant" if same else "FAIL: not batch invariant")
 
 

@@ -38,10 +38,12 @@ def procs():
     started.stop()
 
 
-def prompts(chunk: int, vocab: int) -> list[list[int]]:
-    """Seven prompts from 1 to 2049 tokens: 1, chunk-1, chunk, chunk+1, and three more."""
+def prompts(chunk: int, vocab: int, longest: int = 2049) -> list[list[int]]:
+    """Seven prompts: 1, chunk-1, chunk, chunk+1 and 2*chunk+7 tokens, then 1000 and 2049 (or,
+    with `longest` below 2049, longest//2 and longest)."""
     rng = np.random.default_rng(chunk)
-    lengths = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 7, 1000, 2049]
+    long = [1000, 2049] if longest >= 2049 else [longest // 2, longest]
+    lengths = [1, chunk - 1, chunk, chunk + 1, 2 * chunk + 7, *long]
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
