@@ -32,7 +32,7 @@
 #              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512)
 #   invariance experiments.invariance --locate: a decode step alone against beside others in every
 #              program, and the first call that differs, under each of $INV_SETS (default;
-#              also cublaslt, notriton)
+#              the routes of `gemms`)
 #   clocks     experiments.clocks, $CLOCK_SECONDS (8) a phase
 #   attention  experiments.attention; $ATTN_FLAGS
 #   bounds     experiments.boundaries at each of $ROWS ("512 2048")
@@ -102,6 +102,18 @@ graph_mode() {
   esac
 }
 for m in ${ISSUE_MODES:-} ${SERVE_MODES:-}; do graph_mode "$m" > /dev/null || exit 2; done
+# XLA's GEMM routes by name (`gemms`' $GEMM_SETS, `invariance`'s $INV_SETS): the flag of each
+gemm_route() {
+  case $1 in
+    default) ;;
+    cublaslt) echo --xla_gpu_enable_cublaslt=true ;;
+    tritonws) echo --xla_gpu_experimental_enable_triton_warp_specialization=true ;;
+    cudnn) echo --xla_gpu_cudnn_gemm_fusion_level=2 ;;
+    notriton) echo --xla_gpu_enable_triton_gemm=false ;;
+    *) echo "unknown GEMM route $1 (default, cublaslt, tritonws, cudnn, notriton)" >&2; exit 2 ;;
+  esac
+}
+for g in ${GEMM_SETS:-} ${INV_SETS:-}; do gemm_route "$g" > /dev/null || exit 2; done
 # two_gpus STEP: true with two GPUs or more, else says the step needs them
 two_gpus() {
   local n; n=$(nvidia-smi -L 2>/dev/null | wc -l)
@@ -303,12 +315,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
     # a decode step alone against beside others, in every decode bucket, the prefill chunk and
     # the score chunk, under each of XLA's GEMM routes in $INV_SETS (as for `gemms`)
     for g in ${INV_SETS:-default}; do
-      case $g in
-        default) f= ;;
-        cublaslt) f=--xla_gpu_enable_cublaslt=true ;;
-        notriton) f=--xla_gpu_enable_triton_gemm=false ;;
-        *) echo "unknown GEMM route $g (default, cublaslt, notriton)" | say; continue ;;
-      esac
+      f=$(gemm_route "$g")
       log "batch invariance of a decode step, XLA's GEMM route $g"
       XLA_FLAGS="${XLA_FLAGS:-} $f" python -m experiments.invariance --model "${DECODE_MODEL:-qwen3-4b}" \
         --chunk "${DECODE_CHUNK:-512}" --locate --out "$OUT/invariance-$g" > "$OUT/logs/invariance-$g.log" 2>&1 \
@@ -359,14 +366,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
     # its own), JAX's Mosaic GPU matmul beside the first
     pallas=--pallas
     for g in ${GEMM_SETS:-}; do
-      case $g in
-        default) f= ;;
-        cublaslt) f=--xla_gpu_enable_cublaslt=true ;;
-        tritonws) f=--xla_gpu_experimental_enable_triton_warp_specialization=true ;;
-        cudnn) f=--xla_gpu_cudnn_gemm_fusion_level=2 ;;
-        notriton) f=--xla_gpu_enable_triton_gemm=false ;;
-        *) echo "unknown GEMM route $g (default, cublaslt, tritonws, cudnn, notriton)" | say; continue ;;
-      esac
+      f=$(gemm_route "$g")
       log "the model's GEMMs, XLA's route $g ${pallas:+(and the Mosaic GPU matmul)}"
       XLA_FLAGS="${XLA_FLAGS:-} $f" KERNJAX_XLA_CACHE=$PWD/.kjcache/xla-gemms-$g timeout 240 \
         python -m experiments.gemms --layer $pallas --rows "${GEMM_ROWS:-8192}" \

@@ -7,6 +7,9 @@ program (only the GEMMs' M changes), (c) beside others in each decode bucket, th
 and the score chunk, against alone in that program (only the company changes) and against alone
 in the smallest bucket (both change, as in serving). A row per comparison: how many of the
 sequences' next tokens, log-probabilities and logits differ, and the largest logit difference.
+With `--locate`, each item whose steps differ is evaluated again one call at a time (the
+program's top-level equations, on the same weights and states), beside the smallest bucket's
+items of its sequences alone: the first call whose output rows part.
 
     python -m experiments.invariance --model qwen3-tiny
     python -m experiments.invariance --model qwen3-4b --chunk 512     # a GPU
@@ -23,6 +26,7 @@ from pathlib import Path
 from experiments import harness
 
 OUTS = ("next_token", "logprob", "top_ids", "logits")
+SEQS, CONTEXT = 4, 256  # the chunk programs' sequences, and every sequence's context
 
 
 def by_call(prog, runner, item) -> list[tuple[str, list]]:
@@ -47,37 +51,41 @@ def by_call(prog, runner, item) -> list[tuple[str, list]]:
     return out
 
 
-def locate(traced, runner, item_of, small, differs, rep) -> dict | None:
-    """For each (program, sequences) beside others, the first call at which a sequence's rows
-    (outputs whose first axis is the item's rows or sequences) differ from its rows alone in
-    the smallest bucket."""
+def _first_difference(calls, alone, idx, rows) -> tuple | None:
+    """(call index, call name, sequence, output index, shape) of the first output row of `calls`
+    (an item of the sequences `idx`) that differs from the sequence's own row in `alone[i]` (by
+    call name), comparing outputs whose first axis is one of `rows` (the two items' rows or
+    sequences)."""
     import numpy as np
-    first = None
+    for c, (name, outs) in enumerate(calls):
+        for j, i in enumerate(idx):
+            for o, (x, y) in enumerate(zip(outs, alone[i].get(name, ()))):
+                if x.ndim and y.ndim and x.shape[0] in rows[0] and y.shape[0] in rows[1] \
+                        and np.asarray(x[j]).tobytes() != np.asarray(y[0]).tobytes():
+                    return c, name, i, o, list(x.shape)
+    return None
+
+
+def locate(traced, runner, item_of, small, differs, rep) -> dict | None:
+    """For each (program, sequences) beside others whose steps differ, the first call at which
+    a sequence's rows differ from its rows alone in the smallest bucket."""
+    first, alone = None, {}
     rep.table("program", "beside", "first call that differs", "sequence", "its outputs",
               right="lllll")
+    shape = lambda p: (traced[p].rows, runner.art.programs[p].item.seqs)  # noqa: E731
     for program, idx in differs:
         calls = by_call(traced[program], runner, item_of(idx, program))
-        sh = traced[program].rows, runner.art.programs[program].item.seqs
-        alone = {i: dict(by_call(traced[small], runner, item_of([i], small))) for i in idx}
-        hit = None
-        for c, (name, outs) in enumerate(calls):
-            for j, i in enumerate(idx):
-                for o, (x, y) in enumerate(zip(outs, alone[i].get(name, ()))):
-                    if not (x.ndim and y.ndim and x.shape[0] in sh and y.shape[0] in (1, 2)):
-                        continue
-                    if np.asarray(x[j]).tobytes() != np.asarray(y[0]).tobytes():
-                        hit = {"program": program, "beside": len(idx) - 1, "call": c,
-                               "name": name, "sequence": i, "output": o,
-                               "shape": list(x.shape)}
-                        break
-                if hit:
-                    break
-            if hit:
-                break
-        rep.row(program, len(idx) - 1, f"{hit['call']} `{hit['name']}`" if hit else "none",
-                hit["sequence"] if hit else "", f"output {hit['output']} {hit['shape']}"
-                if hit else "")
-        first = first or hit
+        for i in idx:
+            if i not in alone:
+                alone[i] = dict(by_call(traced[small], runner, item_of([i], small)))
+        hit = _first_difference(calls, alone, idx, (shape(program), shape(small)))
+        if hit is None:
+            rep.row(program, len(idx) - 1, "none (call by call the rows agree)", "", "")
+            continue
+        c, name, i, o, sh = hit
+        rep.row(program, len(idx) - 1, f"{c} `{name}`", i, f"output {o} {sh}")
+        first = first or {"program": program, "beside": len(idx) - 1, "call": c, "name": name,
+                          "sequence": i, "output": o, "shape": sh}
     return first
 
 
@@ -88,7 +96,7 @@ def main() -> None:
     ap.add_argument("--decode", default="1,4,16,64")
     ap.add_argument("--sequences", type=int, default=16)
     ap.add_argument("--locate", action="store_true",
-                    help="evaluate each program beside others call by call against the smallest "
+                    help="evaluate each item whose steps differ call by call against the smallest "
                          "bucket alone: the first call whose output rows differ")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -100,8 +108,8 @@ def main() -> None:
     from kernjax.runtime.runner import Runner, checkpoint_dir, load_weights
 
     fam, cfg = models.named(args.model)
-    page, n = fam.page(cfg), args.sequences
-    per_seq = -(-256 // page)
+    n = args.sequences
+    per_seq = -(-CONTEXT // fam.page(cfg))
     buckets = sorted({int(b) for b in args.decode.split(",")})
     rep = harness.Report(f"Batch invariance of a decode step, {args.model}",
                          "Does a decode step's output depend on the bucket it runs in, or on the "
@@ -109,8 +117,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as t:
         cut = Path(t) / "cut"
         subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", args.model, "--at",
-                        str(cfg.layers // 2), "--chunk", str(args.chunk), "--seqs", "4",
-                        "--context", "256", "--pages", str(n * per_seq + 1), "--decode",
+                        str(cfg.layers // 2), "--chunk", str(args.chunk), "--seqs", str(SEQS),
+                        "--context", str(CONTEXT), "--pages", str(n * per_seq + 1), "--decode",
                         ",".join(map(str, buckets)), "--out", str(cut)],
                        check=True, stdout=subprocess.DEVNULL)
         art = artifact.read(cut / "whole")
@@ -152,6 +160,7 @@ def main() -> None:
                          "sequences": len(got), **d, "max_logit_diff": big})
             rep.row(program, size - 1, f"alone in {against}", len(got), d["next_token"],
                     d["logprob"], d["logits"], f"{big:.3g}")
+            return any(d.values())
 
         # the same call twice; each program alone against the smallest bucket (only M changes);
         # beside others against alone in the same program (only the company changes) and
@@ -164,13 +173,12 @@ def main() -> None:
                 if size > 1:
                     idx = [int(i) for i in rng.permutation(n)[:size]]
                     got = steps(idx, program)
-                    compare(program, size, program, got)
-                    if program != small:
-                        compare(program, size, small, got)
-                    differs.append((program, idx))
+                    part = compare(program, size, program, got)
+                    if (program != small and compare(program, size, small, got)) or part:
+                        differs.append((program, idx))
         if args.locate:
             traced = artifact.programs(fam, cfg, dtype=art.manifest["dtype"], rows=args.chunk,
-                                       seqs=4, context=256, pages=n * per_seq + 1,
+                                       seqs=SEQS, context=CONTEXT, pages=n * per_seq + 1,
                                        decode=buckets)
             found = locate(traced, pipe.runners[0], item_of, small, differs, rep)
     same = all(r[k] == 0 for r in rows for k in OUTS)
