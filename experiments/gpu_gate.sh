@@ -28,8 +28,9 @@
 #   calls      experiments.calls at 512 and 2048 rows, then `kernjax cut --at auto` by each
 #              profile; $CALLS_SECONDS (300)
 #   decode     experiments.decode: each program of a whole cut alone (prefill, score, decode
-#              buckets), then served whole and in 2 stages at $DECODE_BATCHES (1,16,64);
-#              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512)
+#              buckets), each profiled ($DECODE_PROFILE: all; empty: none), then served whole
+#              and in 2 stages at $DECODE_BATCHES (1,16,64), batch-invariant and not;
+#              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512), $DECODE_FLAGS (--noserve: no serving)
 #   invariance experiments.invariance --locate: a decode step alone against beside others in every
 #              program, and the first call that differs, under each of $INV_SETS (default;
 #              the routes of `gemms`)
@@ -308,9 +309,10 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
   decode)
     log "scoring against prefill and decode, program by program and served"
     python -m experiments.decode --model "${DECODE_MODEL:-qwen3-4b}" --chunk "${DECODE_CHUNK:-512}" \
-      --batches "${DECODE_BATCHES:-1,16,64}" --out "$OUT/decode" > "$OUT/logs/decode.log" 2>&1 \
+      --batches "${DECODE_BATCHES:-1,16,64}" --profile "${DECODE_PROFILE-all}" ${DECODE_FLAGS:-} \
+      --out "$OUT/decode" > "$OUT/logs/decode.log" 2>&1 \
       || echo "experiments.decode: exit $?" >> "$OUT/logs/decode.log"
-    grep -E "^\||exit|score /" "$OUT/logs/decode.log" | say ;;
+    grep -E "^\||exit|score /|^profile of|^kernels |^kinds" "$OUT/logs/decode.log" | say ;;
   invariance)
     # a decode step alone against beside others, in every decode bucket, the prefill chunk and
     # the score chunk, under each of XLA's GEMM routes in $INV_SETS (as for `gemms`)

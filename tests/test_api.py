@@ -7,6 +7,7 @@ is never lost: preempted when pages run out, dropped when its client goes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -51,6 +52,27 @@ def served(tmp_path_factory):
 
 def _client(h, ckpt, **kw):
     return client(h, ckpt, tokenizer=weights.tokenizer(ckpt), eos=weights.eos_ids(ckpt), **kw)
+
+
+@contextlib.contextmanager
+def _programs(h):
+    """Records the programs each row `h` issues runs in: {(prompt, choice, position): {program}}
+    (a row recomputed after a preemption runs again)."""
+    seen: dict = {}
+    take = h._take
+
+    def spy(plan):
+        k, program, pieces = take(plan)
+        for (r, _, _, _), piece in zip(h.inflight[-1][2], pieces, strict=True):
+            for j in range(len(piece.tokens)):
+                seen.setdefault((tuple(r.tokens[:r.prompt]), r.choice, piece.start + j),
+                                set()).add(program)
+        return k, program, pieces
+    h._take = spy
+    try:
+        yield seen
+    finally:
+        del h._take
 
 
 def _greedy(pipe, tokens, n):
@@ -230,22 +252,56 @@ def test_the_tokenizer_endpoints_answer_as_vllms(served):
     assert info["eos_token"] == "<|im_end|>" and "<|im_start|>" in info["chat_template"]
 
 
+def _alone_then_together(h, ckpt, prompts, body):
+    """Each prompt served alone, one after another, then all at once: (the answers alone, the
+    answers together, each run's rows by program as `_programs` records them)."""
+    async def go():
+        async with _client(h, ckpt) as c:
+            with _programs(h) as one:
+                alone = [await post(c, {**body, "prompt": p}) for p in prompts]
+            with _programs(h) as many:
+                together = await asyncio.gather(*(post(c, {**body, "prompt": p})
+                                                  for p in prompts))
+            return alone, together, one, many
+    return run(go())
+
+
+def _steps(rows) -> set:
+    """The programs steps ran in (rows from a prompt's last on), in `_programs`' record."""
+    return {p for (t, _, pos), ps in rows.items() if pos >= len(t) - 1 for p in ps}
+
+
 def test_sixteen_at_once_give_each_the_bits_it_gets_alone(served):
     h, _, ckpt = served
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, CFG.vocab, int(n)).tolist() for n in rng.integers(1, 60, 16)]
     body = {"max_tokens": 6, "temperature": 0.8, "seed": 3, "logprobs": 1, "ignore_eos": True}
-
-    async def go():
-        async with _client(h, ckpt) as c:
-            alone = [await post(c, {**body, "prompt": p}) for p in prompts]
-            together = await asyncio.gather(*(post(c, {**body, "prompt": p}) for p in prompts))
-            return alone, together
-    alone, together = run(go())
+    alone, together, one, many = _alone_then_together(h, ckpt, prompts, body)
     for (sa, a), (sb, b) in zip(alone, together, strict=True):
         assert sa == sb == 200
         assert a["choices"][0]["token_ids"] == b["choices"][0]["token_ids"]
         assert a["choices"][0]["logprobs"] == b["choices"][0]["logprobs"]
+    # batch-invariant: each row ran in the same program alone as beside 15 others (on a GPU a
+    # row's bits follow its program's row count), every step in the one bucket
+    assert one == many
+    assert _steps(many) == {"decode16"}
+    assert {p for (t, _, pos), ps in many.items() if pos < len(t) - 1 for p in ps} <= {"prefill"}
+
+
+def test_not_batch_invariant_steps_take_the_smallest_bucket_or_ride_beside_prompt_rows(served):
+    """`--nobatch_invariant`: steps take the smallest bucket that holds them, or the chunk beside
+    prompt rows, so a row's program follows its company; on the CPU its bits do not."""
+    h, _, ckpt = served
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, CFG.vocab, int(n)).tolist() for n in rng.integers(20, 60, 6)]
+    body = {"max_tokens": 4, "temperature": 0.8, "seed": 5, "logprobs": 1, "ignore_eos": True}
+    h.invariant = False
+    try:
+        alone, together, one, many = _alone_then_together(h, ckpt, prompts, body)
+    finally:
+        h.invariant = True
+    assert [a[1]["choices"] for a in alone] == [b[1]["choices"] for b in together]
+    assert _steps(one) == {"decode1"} and _steps(many) - {"decode1"}, _steps(many)
 
 
 def test_out_of_pages_a_sequence_is_preempted_and_recomputed_never_lost(served,
@@ -261,13 +317,16 @@ def test_out_of_pages_a_sequence_is_preempted_and_recomputed_never_lost(served,
 
     async def go(h):
         async with _client(h, ckpt) as c:
-            return await asyncio.gather(*(post(c, {**body, "prompt": p}) for p in prompts))
-    want, got = run(go(big)), run(go(small))
+            with _programs(h) as rows:
+                return await asyncio.gather(*(post(c, {**body, "prompt": p}) for p in prompts)), \
+                    rows
+    (want, roomy), (got, tight) = run(go(big)), run(go(small))
     for (sw, w), (sg, g) in zip(want, got, strict=True):
         assert sw == sg == 200, g
         assert w["choices"][0]["token_ids"] == g["choices"][0]["token_ids"]
         assert w["choices"][0]["logprobs"] == g["choices"][0]["logprobs"]
     assert small.preemptions > 0
+    assert roomy == tight  # a recomputed row ran in the program it first ran in
     assert small.pool.in_use == 0
 
 

@@ -231,6 +231,13 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
                        "408); idle connections close after it")
     flags.DEFINE_list("warm", ["all"], "programs to compile before serving (`all`, or names "
                       "such as prefill,decode1); the others compile when first used")
+    flags.DEFINE_bool("batch_invariant", True, "head: every step in one decode program "
+                      "(--decode_bucket), never beside prompt rows, so a sequence's bits do not "
+                      "depend on its company on any backend; --nobatch_invariant: the smallest "
+                      "bucket that holds the steps, or the chunk beside prompt rows (on a GPU a "
+                      "step's bits then follow its company's size)")
+    flags.DEFINE_integer("decode_bucket", None, "head, batch-invariant: the decode bucket every "
+                         "step goes in (default: the cut's largest)")
     flags.DEFINE_integer("max_prompts", 64, "prompts in one batch request; with the context it "
                          "bounds the body size (413 past it)")
 
@@ -271,6 +278,8 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
                         edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint)
         if FLAGS.pp_head:
             raise ValueError(f"`{art.path}` is stage 0, the head; give --pp_listen, not --pp_head")
+        from kernjax.serve.head import pick_bucket
+        pick_bucket(art.programs, FLAGS.decode_bucket)  # a bucket the cut lacks: before compiling
         http = _bind_http(FLAGS.host, FLAGS.port)  # before compiling: a taken port fails at once
         _warm(runner)
         metrics = Metrics()
@@ -279,7 +288,8 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
         head = Head(runner, listen=FLAGS.pp_listen, max_seqs=FLAGS.max_seqs,
                     stage_timeout=FLAGS.stage_timeout, startup_timeout=FLAGS.startup_timeout,
                     max_frame=FLAGS.max_frame, metrics=metrics, transport=FLAGS.transport,
-                    edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint)
+                    edge_timeout=FLAGS.stage_timeout, checkpoint=checkpoint,
+                    invariant=FLAGS.batch_invariant, decode_bucket=FLAGS.decode_bucket)
         name = FLAGS.served_model_name or art.manifest["model"]["name"]
         app = make_app(head, name=name, vocab=art.manifest["model"]["config"]["vocab"],
                        tokenizer=weights.tokenizer(ckpt), metrics=metrics, checkpoint=ckpt,

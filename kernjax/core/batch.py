@@ -8,13 +8,17 @@ the cut: a decode bucket (`decode<B>`: B sequences of one row) when it holds ste
 prefill chunk (or the score chunk where a prompt is scored) holding the steps first and the
 packed prompt rows after them, within the chunk's rows, sequences and context (vLLM and SGLang's
 chunked-prefill policy: steps are never held back for a prompt, and a prompt fills what the steps
-leave).
+leave). Unmixed (`mix=False`, the head's batch-invariant policy), steps never share an item with
+prompt rows while there is a bucket to hold them: an item is steps only or prompt rows only.
 
 Through a pipeline of S stages a sequence's next step waits for its last token, so one item of
 every step would leave S - 1 stages idle. Steps are taken as micro-batches of at most
 ceil(generating / S) sequences, oldest first, so S disjoint micro-batches keep every stage busy
 in the steady state. A row's bits do not depend on which item or program holds it (each program
-gives a row the same arithmetic: tested), so the policy changes speed, never tokens.
+gives a row the same arithmetic on the CPU: tested), so there the policy changes speed, never
+tokens. On a GPU a row's bits follow its program's row count (XLA picks each GEMM's kernel by its
+shape), so the head's batch-invariant policy offers one bucket and `mix=False`: every step then
+runs in one program, whatever its company.
 
 Pure: ints in, a plan out.
 """
@@ -43,7 +47,8 @@ class Plan:
 
 
 def plan(ready: Sequence[int], generating: int, waiting: Sequence[Waiting], *, rows: int,
-         seqs: int, context: int, buckets: Sequence[int], stages: int) -> Plan | None:
+         seqs: int, context: int, buckets: Sequence[int], stages: int,
+         mix: bool = True) -> Plan | None:
     """The next item, or None when there is nothing to issue.
 
     Args:
@@ -54,13 +59,16 @@ def plan(ready: Sequence[int], generating: int, waiting: Sequence[Waiting], *, r
       rows, seqs, context: the chunk program's bounds (`pack`'s).
       buckets: the decode programs' sequence counts; empty: steps go in the chunk program.
       stages: the pipeline's stages.
+      mix: whether steps may go beside prompt rows in the chunk; False: a step goes in a bucket
+        whenever there is one (ready steps first, then prompt rows in an item of their own).
     """
     share = -(-max(generating, len(ready), 1) // stages)
     top = max(buckets) if buckets else seqs
     take = min(len(ready), share, top)
     left = any(w.left for w in waiting)
-    if left:
-        d = min(take, seqs - 1, rows - 1)
+    alone = buckets and not mix  # steps and prompt rows never in one item
+    if left and not (alone and take):
+        d = 0 if alone else min(take, seqs - 1, rows - 1)
         ctx = context - sum(p + 1 for p in ready[:d])
         pieces = pack(waiting, rows=rows - d, seqs=seqs - d, context=ctx) if ctx > 0 else []
         if pieces:

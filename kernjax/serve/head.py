@@ -15,11 +15,15 @@ prompt and the tokens it generates. The scheduler thread leases a prompt's pages
 `max_seqs`, and builds each item with `batch.plan`: the one-row steps of generating sequences
 (a prompt's last token is its first step) beside the prompts' next rows, packed by `pack()`; the
 item's program is a decode bucket, the prefill chunk, or the score chunk where a prompt is being
-scored (`echo` with log-probabilities). It sends each item's program and fills to every stage,
-runs stage 0 and sends its departures on; on an edge, or serving the whole program, it issues the
-next item while a thread (`_finish`) waits for this one. An item of prompt rows only goes at once
-when full, else once fewer items than stages are in flight, or as many if it holds all there is
-to issue (docs/serving.md); an item with steps goes at once; at most `4 x stages` are in flight
+scored (`echo` with log-probabilities). Batch-invariant (`invariant`, the default), steps use one
+decode bucket (`decode_bucket`, the cut's largest unless named) and never share an item with
+prompt rows, so every step runs in one program whatever its company: on a GPU a row's bits follow
+its program's row count. Otherwise steps take the smallest bucket that holds them, or ride in the
+chunk beside prompt rows. It sends each item's program and fills to every stage, runs stage 0 and
+sends its departures on; on an edge, or serving the whole program, it issues the next item while
+a thread (`_finish`) waits for this one. An item of prompt rows only goes at once when full, else
+once fewer items of prompt rows than stages are in flight, or as many if it holds all there is to
+issue (docs/serving.md); an item with steps goes at once; at most `4 x stages` are in flight
 (back-pressure). The last stage answers every item with its outputs (tokens, log-probabilities,
 row scores); each answered step appends its sequence's token, which ends the sequence on a stop
 token or at `max_tokens`.
@@ -27,7 +31,8 @@ token or at `max_tokens`.
 Pages grow with a sequence, a page at a time (`Pool.grow`); a step that finds no page free waits,
 and when nothing is in flight to free one, the newest generating sequence is preempted: its pages
 go back and it is recomputed later from its tokens so far (the same bits: a row's arithmetic does
-not depend on its item). Nothing admitted is lost. A sequence whose client has gone is dropped at
+not depend on its item; batch-invariant, the rows it generated go again as steps in the bucket,
+the program they first ran in). Nothing admitted is lost. A sequence whose client has gone is dropped at
 its next step.
 
 The device transports (`shm`, `ipc`, `nccl`) carry the prefill program's activations only: there
@@ -98,11 +103,13 @@ class Seq:
     """One sequence: its tokens (the prompt, then what it generated), where its rows stand, its
     lease, and where its events go (`emit(kind, data)`: `prompt`, `token`, `done`, `error`)."""
 
-    def __init__(self, tokens, ask: Ask, choice: int, emit, gone, arrived: float, step: bool):
+    def __init__(self, tokens, ask: Ask, choice: int, emit, gone, arrived: float, step: bool,
+                 replay: bool = False):
         self.tokens = [int(t) for t in tokens]
         self.prompt, self.ask, self.choice = len(self.tokens), ask, choice
         self.emit, self.gone, self.arrived = emit, gone, arrived
         self.step = step        # the last known token goes as a one-row step (else in a chunk)
+        self.replay = replay    # recomputed, its generated rows go as steps again (as they went)
         self.pos = 0            # rows issued: their keys and values are written or in flight
         self.made = 0           # tokens generated
         self.lease = None
@@ -119,9 +126,10 @@ class Seq:
 
     def chunk_end(self) -> int:
         """Rows that go in chunks: all but the last known token's, which is the step's (without
-        a step program, a prompt's last chunk samples its first token)."""
+        a step program, a prompt's last chunk samples its first token). Replaying, the prompt's
+        rows only: every row from the prompt's last on goes as a step, as it first went."""
         n = len(self.tokens)
-        if self.ask.max_tokens == 0:
+        if self.ask.max_tokens == 0 or self.replay:
             return self.prompt - 1
         return n - 1 if self.step or self.made else n
 
@@ -132,7 +140,8 @@ class Seq:
         """Whether its step can go: its chunks are out (items run in order on every stage) and
         its last token is known, its row not issued."""
         return (not self.ended and self.ask.max_tokens > 0
-                and self.made < self.ask.max_tokens and self.pos == len(self.tokens) - 1
+                and self.made < self.ask.max_tokens
+                and self.chunk_end() <= self.pos <= len(self.tokens) - 1
                 and (self.step or self.made > 0))
 
     def scored(self) -> int:
@@ -159,8 +168,11 @@ class Head:
                  stage_timeout: float = 60.0, startup_timeout: float = 600.0,
                  max_frame: int = MAX_FRAME, metrics=None, on_exit=None,
                  transport: str = "host", edge_timeout: float = 60.0,
-                 checkpoint: dict | None = None):
+                 checkpoint: dict | None = None, invariant: bool = True,
+                 decode_bucket: int | None = None):
         self.runner, self.art = runner, runner.art
+        self.invariant = invariant  # one decode program for every step, never beside prompt rows
+        self.decode_bucket = pick_bucket(self.art.programs, decode_bucket)
         self.checkpoint = checkpoint  # {dir, id}: each stage's Hello must name the same id
         self.transport, self.edge, self.edge_timeout = transport, None, edge_timeout
         self.shape = self.art.item
@@ -346,8 +358,10 @@ class Head:
 
     @property
     def buckets(self) -> list[int]:
-        return sorted(int(n[6:]) for n in self.programs if n.startswith("decode")
-                      and n[6:].isdigit())
+        """The decode buckets steps may use: batch-invariant, the one chosen (a row's bits then
+        never follow its company's size); else all of the cut's."""
+        every = _buckets(self.programs)
+        return [self.decode_bucket] if self.invariant and every else every
 
     def refusal(self, prompts, ask: Ask) -> str | None:
         """Why these prompts cannot be served as `ask` says, or None."""
@@ -389,7 +403,7 @@ class Head:
                     k = i * ask.n + c
                     say = (lambda k: lambda kind, data: emit(k, kind, data))(k) if emit else \
                         (lambda kind, data: None)
-                    made.append(Seq(p, ask, c, say, gone, now, step))
+                    made.append(Seq(p, ask, c, say, gone, now, step, step and self.invariant))
             for r in made:
                 if len(r.tokens) == 1 and ask.max_tokens == 0:  # nothing to run: no row scores
                     r.say("prompt", _prompt_scores(r))  # no row to run: its scores are none
@@ -477,15 +491,17 @@ class Head:
         waiting = [Waiting(i, r.pos, r.left()) for i, r in enumerate(self.live)]
         sh = self.shape
         p = plan_item([r.pos for r in ready], generating, waiting, rows=sh.rows, seqs=sh.seqs,
-                      context=self._context, buckets=self.buckets, stages=self.stages)
+                      context=self._context, buckets=self.buckets, stages=self.stages,
+                      mix=not self.invariant)
         if p is None:
             if not self.inflight and any(r.ready() for r in self.live):
                 self._preempt()  # steps wait for pages that nothing in flight will free
             return False
         pieces = [(i, n) for i, n in p.pieces]
+        chunks = sum(1 for _, program, _ in self.inflight if not program.startswith("decode"))
         if not p.steps and not (full(pieces, rows=sh.rows, seqs=sh.seqs)
-                                or len(self.inflight) < self.stages
-                                or len(self.inflight) == self.stages and not self.queue
+                                or chunks < self.stages
+                                or chunks == self.stages and not self.queue
                                 and sum(n for _, n in pieces) == sum(w.left for w in waiting)):
             return False
         self._plan = ([ready[i] for i in p.steps], [(self.live[i], n) for i, n in p.pieces],
@@ -529,11 +545,11 @@ class Head:
         pieces, entries = [], []
         scoring = any(r.scoring for r, _ in chunks)
         program = f"decode{bucket}" if bucket else ("score" if scoring else artifact.DEFAULT)
-        for r in steps:  # entries: (seq, rows, emits, scored)
-            pieces.append(Piece(np.asarray(r.tokens[-1:], np.int32), r.pos, r.lease.pages,
-                                r.lease.slot, sampling=r.ask.sampling,
+        for r in steps:  # entries: (seq, rows, emits, scored); a replayed row emits nothing
+            pieces.append(Piece(np.asarray(r.tokens[r.pos:r.pos + 1], np.int32), r.pos,
+                                r.lease.pages, r.lease.slot, sampling=r.ask.sampling,
                                 rng=(r.ask.seed, r.choice, r.made)))
-            entries.append((r, 1, True, False))
+            entries.append((r, 1, r.pos == len(r.tokens) - 1, False))
             r.pos += 1
             r.inflight += 1
         for r, n in chunks:
@@ -758,3 +774,19 @@ def _settle(fut: cf.Future, result=None, error: Exception | None = None) -> None
         fut.set_exception(error) if error else fut.set_result(result)
     except cf.InvalidStateError:
         pass
+
+
+def pick_bucket(programs, asked: int | None) -> int | None:
+    """The decode bucket a batch-invariant head puts every step in: `asked`, or the largest of
+    `programs`' (None without any); ValueError if the cut has no bucket `asked`."""
+    every = _buckets(programs)
+    if asked is not None and asked not in every:
+        raise ValueError(f"--decode_bucket {asked}: the cut's decode buckets are "
+                         f"{', '.join(map(str, every)) or 'none'}; give one of them, or re-cut "
+                         f"with `kernjax cut --decode {asked}`")
+    return asked if asked is not None else (every[-1] if every else None)
+
+
+def _buckets(programs) -> list[int]:
+    """The decode buckets among `programs`' names (`decode<B>`), smallest first."""
+    return sorted(int(n[6:]) for n in programs if n.startswith("decode") and n[6:].isdigit())
