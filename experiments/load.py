@@ -4,7 +4,9 @@ Cuts `--model` once at `--at`, then for each configuration (`whole`, `2 stages`,
 `--transport` and `--edge_slots`; `--configs` picks them) starts the server processes on free 127.0.0.1 ports, waits for /health, warms up, and for each concurrency
 level sends `--requests` completions (`max_tokens` 1, prompts of uniform random length in
 `--prompt_len`, seeded, the same prompts for both configurations) with at most that many in
-flight. With one output token, a request's latency is its client-side time to first token.
+flight. With one output token, a request's latency is its client-side time to first token. The
+cut has the decode buckets of `--decode` (none by default: a prompt's last chunk samples its
+first token, as kern's prefill does; with buckets, the first token is a step of its own).
 
 Prints and saves (`README.md`, `results.json`, with the run's record) a table of requests/s, prompt tokens/s and TTFT
 p50/p99 per configuration and level, checks every answer is 200 and that both configurations give
@@ -258,6 +260,8 @@ def main():
                     "--pages; 0: its default, seqs full contexts): --seqs 1 with the pages of "
                     "--seqs 16 keeps 16 sequences live, one per item")
     ap.add_argument("--at", default="1")
+    ap.add_argument("--decode", default="", help="the cut's decode buckets (kernjax cut --decode); "
+                    "empty: none, the last chunk samples the first token")
     ap.add_argument("--requests", type=int, default=200, help="requests per concurrency level")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--prompt_len", default="16,256", help="MIN,MAX tokens (inclusive)")
@@ -306,7 +310,7 @@ def main():
         t = time.time()
         p = subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", a.model, "--at", a.at,
                             "--chunk", str(a.chunk), "--seqs", str(a.seqs), "--context",
-                            str(a.context), "--out", str(tmp / "cut")]
+                            str(a.context), "--decode", a.decode, "--out", str(tmp / "cut")]
                            + (["--pages", str(a.pages)] if a.pages else []),
                            capture_output=True, text=True, timeout=600)
         if p.returncode:

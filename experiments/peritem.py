@@ -94,7 +94,8 @@ def main(_):
         with tempfile.TemporaryDirectory() as d:
             subprocess.run([sys.executable, "-m", "kernjax", "cut", "--model", FLAGS.model, "--at",
                             "1", "--chunk", str(FLAGS.chunk), "--seqs", str(seqs), "--context",
-                            str(context), "--out", d], check=True, capture_output=True)
+                            str(context), "--decode", "", "--out", d], check=True,
+                           capture_output=True)
             r = R.open_stage(Path(d) / "whole")
             states = [s for s in r.art.inputs if s.role == "state"]
             shapes = {",".join(map(str, s.shape)) for s in states}
