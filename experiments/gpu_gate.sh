@@ -31,6 +31,8 @@
 #              buckets), each profiled ($DECODE_PROFILE: all; empty: none), then served whole
 #              and in 2 stages at $DECODE_BATCHES (1,16,64), batch-invariant and not;
 #              $DECODE_MODEL (qwen3-4b), $DECODE_CHUNK (512), $DECODE_FLAGS (--noserve: no serving)
+#   topk       experiments.topk: the head's top-20 as one lax.top_k against steps of 16, at
+#              $TOPK_ROWS (2,64,512) rows, alone and in the score head of $DECODE_MODEL
 #   invariance experiments.invariance --locate: a decode step alone against beside others in every
 #              program, and the first call that differs, under each of $INV_SETS (default;
 #              the routes of `gemms`)
@@ -313,6 +315,11 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
       --out "$OUT/decode" > "$OUT/logs/decode.log" 2>&1 \
       || echo "experiments.decode: exit $?" >> "$OUT/logs/decode.log"
     grep -E "^\||exit|score /|^profile of|^kernels |^kinds" "$OUT/logs/decode.log" | say ;;
+  topk)
+    log "the head's top-20: one lax.top_k against steps of 16"
+    python -m experiments.topk --model "${DECODE_MODEL:-qwen3-4b}" --rows "${TOPK_ROWS:-2,64,512}" \
+      --out "$OUT/topk" > "$OUT/logs/topk.log" 2>&1 || echo "experiments.topk: exit $?" >> "$OUT/logs/topk.log"
+    grep -E "^\||exit|Error" "$OUT/logs/topk.log" | say ;;
   invariance)
     # a decode step alone against beside others, in every decode bucket, the prefill chunk and
     # the score chunk, under each of XLA's GEMM routes in $INV_SETS (as for `gemms`)

@@ -36,7 +36,27 @@ from kernjax.kernels.reduce import rowsum
 
 K = 20       # top log-probabilities every program returns per row (OpenAI's most)
 SLICE = 8192  # vocabulary columns per slice
+STEP = 16     # the largest k XLA:GPU's TopK kernel takes (past it, each row is sorted whole)
 F32 = jnp.float32
+
+
+def top_k(x, k: int):
+    """`jax.lax.top_k(x, k)` (each row's k largest, largest first, the lower index first among
+    equals) taken at most `STEP` at a time: the next step's candidates are the row with the ones
+    taken set to -inf. The same values and indices where every row has k entries above -inf
+    (the taken ones are never candidates again); on a GPU each step is XLA's TopK kernel (k <= 16, rows of 1024 or more)
+    where one top-20 is a sort of the row."""
+    x = jnp.asarray(x)
+    vals, idx = [], []
+    rows = jnp.arange(x.shape[0])[:, None]
+    while k > 0:
+        v, i = jax.lax.top_k(x, min(k, STEP))
+        vals.append(v)
+        idx.append(i)
+        k -= v.shape[1]
+        if k > 0:
+            x = x.at[rows, i].set(-jnp.inf)
+    return jnp.concatenate(vals, axis=1), jnp.concatenate(idx, axis=1)
 
 
 def pad_rows(x):
@@ -89,7 +109,7 @@ def _online(slices: Callable, vocab: int, rows: int, targets, *, slice_: int):
         cv = jnp.concatenate([tv, lg], axis=1)
         ci = jnp.concatenate([ti, start + jnp.broadcast_to(jnp.arange(width, dtype=jnp.int32),
                                                            (rows, width))], axis=1)
-        tv, at_k = jax.lax.top_k(cv, k)
+        tv, at_k = top_k(cv, k)
         return m_new, z, tgt, tv, jnp.take_along_axis(ci, at_k, axis=1)
 
     carry = (jnp.full((rows,), -jnp.inf, F32), jnp.zeros((rows,), F32), jnp.zeros((rows,), F32),
