@@ -11,7 +11,8 @@
 #   gates      `chain` beside `tests` in three groups ($TEST_GROUPS; $TEST_SECONDS 420)
 #   chain      qwen3-4b bf16 cut at each of $ATS ("18 c221 c226 c227 12,24") and chained on the
 #              7 prompts at each of $CHUNKS ("512 64"): whole = stages, bit for bit, in prefill,
-#              scoring and $CHAIN_DECODE's (1) decode buckets
+#              scoring and decode steps in the largest of $CHAIN_DECODE's (64) buckets, the
+#              one the head serves
 #   k3         the same for k3-mini-gpu, cut at 4 and 2,6, at each of $CHUNKS
 #   prefill    experiments.prefill into $OUT/prefill: the rows of $PROFILE (8192) profiled,
 #              $SECOND_START (8192) compiled again by a second process, $INTERLEAVE
@@ -214,7 +215,7 @@ tests/test_edge.py tests/test_kda.py tests/test_mxfp4.py tests/test_chain.py tes
       for at in ${ATS:-18 c221 c226 c227 12,24}; do
         log "chain qwen3-4b --at $at --chunk $c"
         rm -rf "cuts/$at-$c"
-        kernjax cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --decode "${CHAIN_DECODE:-1}" --out "cuts/$at-$c" \
+        kernjax cut --model qwen3-4b --at "$at" --chunk "$c" --seqs 1 --decode "${CHAIN_DECODE:-64}" --out "cuts/$at-$c" \
           > "$OUT/logs/cut-$at-$c.txt" 2>&1 || { tail -5 "$OUT/logs/cut-$at-$c.txt" | say; continue; }
         grep -E "^cut " "$OUT/logs/cut-$at-$c.txt" | say
         kernjax chain --stages "cuts/$at-$c" --prompts "$OUT/logs/prompts$c.txt" --chunk "$c" \

@@ -30,8 +30,9 @@ def differing_bytes(a, b) -> int:
 def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *, chunk: int,
           say: Callable[[str], None] = print, steps: int = 4) -> bool:
     """Runs every prompt through both, in each program of the cut: prefill chunk by chunk, score
-    chunk by chunk (where the cut has a score program) and `steps` decode steps after it (where
-    the cut has decode programs and the context has room); says one line per prompt; True when
+    chunk by chunk (where the cut has a score program) and `steps` decode steps after it in the
+    largest decode bucket, the one a batch-invariant head serves (where the cut has decode
+    programs and the context has room); says one line per prompt; True when
     every output of every run is identical. Refuses (a ValueError naming the knob) a whole program exported with other kernels
     than the stages: they would be compared against another program."""
     why = lowering.refusal(f"`{whole.runners[0].art.path}`", whole.runners[0].art.lowering,

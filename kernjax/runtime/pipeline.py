@@ -57,8 +57,11 @@ class Pipeline:
 
     @property
     def step(self) -> str:
-        """The program a one-row step runs: the smallest decode bucket, else the prefill chunk."""
-        return decode_program(self.programs, 1) or artifact.DEFAULT
+        """The program a one-row step runs: the largest decode bucket, the one a batch-invariant
+        head puts every step in (`kernjax.serve.head`), else the prefill chunk."""
+        buckets = [(int(n[6:]), n) for n in self.programs if n.startswith("decode")
+                   and n[6:].isdigit()]
+        return max(buckets)[1] if buckets else artifact.DEFAULT
 
     def prefill(self, tokens: Sequence[int], *, chunk: int | None = None):
         """Prefills one prompt; yields the outputs after each chunk (the last is the answer)."""
