@@ -209,8 +209,8 @@ REFUSALS = {
                         "nowhere` does not exist"),
     "decode_bucket_missing": (["serve", "--stage_dir", "st/stage0", "--decode_bucket", "4",
                                "--port", "0"],
-                              "--decode_bucket 4: the cut's decode buckets are 1; give one of "
-                              "them, or re-cut with `kernjax cut --decode 4`"),
+                              "--decode_bucket 4: the program's decode buckets are 1; give one "
+                              "of them (`kernjax cut --decode` sets a cut's)"),
     "stage_dir_too_high": (["serve", "--stage_dir", "st"],
                            "`st` holds a cut, not one stage: name one of its stages, `st/stage0`"),
     "prompts_missing": (["chain", "--stages", "st", "--prompts", "nowhere"],

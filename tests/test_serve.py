@@ -432,6 +432,7 @@ def test_a_text_prompt_is_tokenized_and_answered_as_text(tmp_path, procs):
     proc = procs.serve("--weights", str(ckpt), "--port", "0", "--chunk", "32", "--context", "64",
                        log=tmp_path / "serve.log")
     assert proc.wait_for("serving", 120), proc.text()
+    assert "steps in decode64, batch-invariant" in proc.text(), proc.text()  # the default policy
     url = proc.url
     (s1, text), = asyncio.run(_one(url, {"prompt": "w5 w6 w7", "max_tokens": 1}))
     (s2, ids), = asyncio.run(_one(url, {"prompt": [5, 6, 7], "max_tokens": 1}))

@@ -305,7 +305,8 @@ Serves one stage of a cut (--stage_dir), or the whole program, behind HTTP (an O
         head.join()
         what = "the whole program" if art.stages == 1 else \
             f"{art.stages} stages, transport {transport}"
-        print(f"serving `{name}` ({what}, cut `{art.cut_id}`) on {url}", file=sys.stderr)
+        print(f"serving `{name}` ({what}, cut `{art.cut_id}`, {head.policy()}) on {url}",
+              file=sys.stderr)
         threading.Event().wait()  # HTTP and the pipeline run on their threads; Ctrl-C ends here
 
     return main

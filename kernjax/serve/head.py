@@ -356,6 +356,14 @@ class Head:
             return {artifact.DEFAULT: self.art.default}
         return self.art.programs
 
+    def policy(self) -> str:
+        """Where steps go, in words (the startup line says it)."""
+        if not _buckets(self.programs):
+            return "steps in the prefill chunk"
+        if self.invariant:
+            return f"steps in decode{self.decode_bucket}, batch-invariant"
+        return "steps in the smallest decode bucket or beside prompt rows"
+
     @property
     def buckets(self) -> list[int]:
         """The decode buckets steps may use: batch-invariant, the one chosen (a row's bits then
@@ -781,9 +789,9 @@ def pick_bucket(programs, asked: int | None) -> int | None:
     `programs`' (None without any); ValueError if the cut has no bucket `asked`."""
     every = _buckets(programs)
     if asked is not None and asked not in every:
-        raise ValueError(f"--decode_bucket {asked}: the cut's decode buckets are "
-                         f"{', '.join(map(str, every)) or 'none'}; give one of them, or re-cut "
-                         f"with `kernjax cut --decode {asked}`")
+        raise ValueError(f"--decode_bucket {asked}: the program's decode buckets are "
+                         f"{', '.join(map(str, every)) or 'none'}; give one of them (`kernjax "
+                         f"cut --decode` sets a cut's)")
     return asked if asked is not None else (every[-1] if every else None)
 
 
