@@ -479,7 +479,9 @@ class Head:
             if r.abandoned():
                 self._drop(self.queue.popleft(), gone)
                 continue
-            need = max(r.chunk_end(), 1)
+            # pages for every known row but the last: a replayed sequence's generated rows too,
+            # or it could be admitted, chunk its prompt and be preempted again, over and over
+            need = max(len(r.tokens) - 1 if r.replay else r.chunk_end(), 1)
             # a page kept free for each running sequence's next step: a sequence admitted into
             # the last free pages would starve the running ones (and, preempted, come back)
             if -(-need // self.pool.page) + len(self.live) > self.pool.free:
