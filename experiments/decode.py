@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from experiments import harness
@@ -136,12 +135,10 @@ def _serve(cut: Path, dirs, tmp: Path, flags) -> tuple[int, list]:
                  ["--pp_head", f"127.0.0.1:{pp}"])
         procs.append(subprocess.Popen([sys.executable, "-m", "kernjax", "serve", *args],
                                       stderr=subprocess.DEVNULL))
-    for _ in range(1200):
-        try:
-            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
-                break
-        except OSError:
-            time.sleep(0.5)
+    if not harness.healthy(f"http://127.0.0.1:{port}"):
+        for p in procs:
+            p.kill()
+        raise SystemExit(f"`kernjax serve` of {', '.join(dirs)} did not start (logs in {tmp})")
     asyncio.run(_burst(port, [[1, 2, 3]], 2))  # compiled and warm
     return port, procs
 

@@ -57,6 +57,21 @@ def out_dir(name: str, given: str | os.PathLike | None = None) -> Path:
     return (Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS) / f"{day}-{name}"
 
 
+def healthy(url: str, seconds: float = 600) -> bool:
+    """Whether `url`/health answers 200 within `seconds` (a server starting: compiling, stages
+    joining)."""
+    import urllib.request
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        try:
+            if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                return True
+        except OSError:
+            time.sleep(0.5)
+    return False
+
+
 def module(name: str) -> list[str]:
     """The command line that runs the benchmark `experiments.<name>` in a new process."""
     return [sys.executable, "-m", f"experiments.{name}"]

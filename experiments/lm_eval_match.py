@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
+
+from experiments import harness
 
 TASKS = Path(__file__).resolve().parent.parent / "tests" / "lm_eval"
 
@@ -93,13 +94,7 @@ def main() -> None:
                                        str(cut_dir / "stage1"), "--pp_head", f"127.0.0.1:{pp}",
                                        "--log_dir", str(logs)], stderr=subprocess.DEVNULL))
         url = f"http://127.0.0.1:{port}"
-        for _ in range(600):
-            try:
-                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
-                    break
-            except OSError:
-                time.sleep(0.5)
-        else:
+        if not harness.healthy(url, 300):
             raise SystemExit("the 2-stage server did not start")
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1",
                "TOKENIZERS_PARALLELISM": "false"}
