@@ -512,6 +512,12 @@ def programs(fam, cfg, *, dtype: str, rows: int, seqs: int, context: int,
     return out
 
 
+def decode_buckets(programs) -> list[int]:
+    """The decode buckets among `programs`' names (`decode<B>`, as `programs` makes them),
+    smallest first."""
+    return sorted(int(n[6:]) for n in programs if n.startswith("decode") and n[6:].isdigit())
+
+
 def items(fam, cfg, progs: dict) -> dict:
     """Each program's item shape (`kernjax.core.item.Shape`), by name."""
     from kernjax.core.item import item_shape

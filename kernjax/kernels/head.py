@@ -44,8 +44,8 @@ def top_k(x, k: int):
     """`jax.lax.top_k(x, k)` (each row's k largest, largest first, the lower index first among
     equals) taken at most `STEP` at a time: the next step's candidates are the row with the ones
     taken set to -inf. The same values and indices where every row has k entries above -inf
-    (the taken ones are never candidates again); on a GPU each step is XLA's TopK kernel (k <= 16, rows of 1024 or more)
-    where one top-20 is a sort of the row."""
+    (the taken ones are never candidates again). On a GPU each step is XLA's TopK kernel (k <= 16,
+    rows of 1024 or more), where one top-20 is a sort of the row."""
     x = jnp.asarray(x)
     vals, idx = [], []
     rows = jnp.arange(x.shape[0])[:, None]

@@ -16,7 +16,8 @@ import numpy as np
 
 from kernjax.core import lowering
 from kernjax.core.cut import counted
-from kernjax.runtime.pipeline import Pipeline, decode_program
+from kernjax.artifact import decode_buckets
+from kernjax.runtime.pipeline import Pipeline
 
 
 def differing_bytes(a, b) -> int:
@@ -47,7 +48,7 @@ def chain(whole: Pipeline, split: Pipeline, prompts: Sequence[Sequence[int]], *,
             runs.append(("score", lambda p: p.score(prompt, chunk=chunk)))
         room = shape.context - len(prompt)
         pages = shape.pages - 1 - -(-(len(prompt) + min(steps, room)) // shape.page)
-        if steps and room > 0 and pages >= 0 and decode_program(whole.programs, 1):
+        if steps and room > 0 and pages >= 0 and decode_buckets(whole.programs):
             runs.append(("decode", lambda p: p.generate(prompt, max_tokens=min(steps, room),
                                                          chunk=chunk)))
         diff, first, counts = 0, None, {}

@@ -59,9 +59,8 @@ class Pipeline:
     def step(self) -> str:
         """The program a one-row step runs: the largest decode bucket, the one a batch-invariant
         head puts every step in (`kernjax.serve.head`), else the prefill chunk."""
-        buckets = [(int(n[6:]), n) for n in self.programs if n.startswith("decode")
-                   and n[6:].isdigit()]
-        return max(buckets)[1] if buckets else artifact.DEFAULT
+        buckets = artifact.decode_buckets(self.programs)
+        return f"decode{buckets[-1]}" if buckets else artifact.DEFAULT
 
     def prefill(self, tokens: Sequence[int], *, chunk: int | None = None):
         """Prefills one prompt; yields the outputs after each chunk (the last is the answer)."""
@@ -111,13 +110,6 @@ class Pipeline:
             last = int(np.asarray(out["next_token"])[0])
             if last in stop:
                 return
-
-
-def decode_program(programs, n: int) -> str | None:
-    """The smallest decode bucket of `programs` that holds `n` sequences, or None."""
-    fits = sorted((int(name[6:]), name) for name in programs
-                  if name.startswith("decode") and name[6:].isdigit() and int(name[6:]) >= n)
-    return fits[0][1] if fits else None
 
 
 def check_prompt(tokens: Sequence[int], shape, chunk: int, *, extra: int = 0) -> None:

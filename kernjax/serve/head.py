@@ -32,8 +32,8 @@ Pages grow with a sequence, a page at a time (`Pool.grow`); a step that finds no
 and when nothing is in flight to free one, the newest generating sequence is preempted: its pages
 go back and it is recomputed later from its tokens so far (the same bits: a row's arithmetic does
 not depend on its item; batch-invariant, the rows it generated go again as steps in the bucket,
-the program they first ran in). Nothing admitted is lost. A sequence whose client has gone is dropped at
-its next step.
+the program they first ran in). Nothing admitted is lost. A sequence whose client has gone is
+dropped at its next step.
 
 The device transports (`shm`, `ipc`, `nccl`) carry the prefill program's activations only: there
 steps go in the prefill chunk and scoring is refused.
@@ -358,7 +358,7 @@ class Head:
 
     def policy(self) -> str:
         """Where steps go, in words (the startup line says it)."""
-        if not _buckets(self.programs):
+        if not artifact.decode_buckets(self.programs):
             return "steps in the prefill chunk"
         if self.invariant:
             return f"steps in decode{self.decode_bucket}, batch-invariant"
@@ -368,7 +368,7 @@ class Head:
     def buckets(self) -> list[int]:
         """The decode buckets steps may use: batch-invariant, the one chosen (a row's bits then
         never follow its company's size); else all of the cut's."""
-        every = _buckets(self.programs)
+        every = artifact.decode_buckets(self.programs)
         return [self.decode_bucket] if self.invariant and every else every
 
     def refusal(self, prompts, ask: Ask) -> str | None:
@@ -789,14 +789,9 @@ def _settle(fut: cf.Future, result=None, error: Exception | None = None) -> None
 def pick_bucket(programs, asked: int | None) -> int | None:
     """The decode bucket a batch-invariant head puts every step in: `asked`, or the largest of
     `programs`' (None without any); ValueError if the cut has no bucket `asked`."""
-    every = _buckets(programs)
+    every = artifact.decode_buckets(programs)
     if asked is not None and asked not in every:
         raise ValueError(f"--decode_bucket {asked}: the program's decode buckets are "
                          f"{', '.join(map(str, every)) or 'none'}; give one of them (`kernjax "
                          f"cut --decode` sets a cut's)")
     return asked if asked is not None else (every[-1] if every else None)
-
-
-def _buckets(programs) -> list[int]:
-    """The decode buckets among `programs`' names (`decode<B>`), smallest first."""
-    return sorted(int(n[6:]) for n in programs if n.startswith("decode") and n[6:].isdigit())
